@@ -30,19 +30,20 @@ DEFAULT_NO_DECAY: tuple[str, ...] = (
 
 def param_groups(
     module: nn.Module,
-    weight_decay: float,
+    weight_decay: float | None = None,
     no_decay_names: Iterable[str] = DEFAULT_NO_DECAY,
 ) -> list[dict]:
     """Split trainable parameters into a decayed and a non-decayed group.
 
     Args:
         module: the model whose ``requires_grad`` parameters are grouped.
-        weight_decay: decay of the first group; the second group gets 0.
+        weight_decay: decay of the first group; ``None`` leaves it to the optimizer's own
+            default (as set in the config's ``optimizer.init_args``). The second group gets 0.
         no_decay_names: name fragments excluded from decay in addition to every 1-D parameter
             (biases, norm weights).
 
     Returns:
-        ``[{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]``,
+        ``[{"params": decay[, "weight_decay": wd]}, {"params": no_decay, "weight_decay": 0.0}]``,
         empty groups left out.
     """
     fragments = tuple(no_decay_names)
@@ -54,10 +55,10 @@ def param_groups(
             no_decay.append(param)
         else:
             decay.append(param)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    decay_group: dict = {"params": decay}
+    if weight_decay is not None:
+        decay_group["weight_decay"] = weight_decay
+    groups = [decay_group, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
