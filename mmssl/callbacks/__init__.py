@@ -1,0 +1,6 @@
+"""Evaluation and reporting callbacks, composed onto any model through YAML."""
+
+from mmssl.callbacks.summary import RunSummary
+from mmssl.callbacks.zero_shot import ZeroShot
+
+__all__ = ["RunSummary", "ZeroShot"]

@@ -1,0 +1,1 @@
+"""LightningModules and their building blocks."""
