@@ -1,0 +1,241 @@
+"""Benchmark a config's training step through ``mmssl fit``'s own loop, and against open_clip_train.
+
+``tools/benchmark.py`` is the command line; these functions are its body, importable by tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import open_clip
+import torch
+import yaml
+
+from mmssl.cli import MMSSLCLI
+from mmssl.data.webdataset import expand_urls
+from mmssl.perf.meter import StepTimer, matmul_peak_flops, peak_memory
+from mmssl.perf.open_clip_peer import parse_peer_log, peer_args
+
+
+def _model_name(config: str, overrides: list[str]) -> str:
+    """``model.init_args.model_name`` as the CLI would resolve it (last override wins)."""
+    name = None
+    for arg in overrides:
+        if arg.startswith("--model.init_args.model_name="):
+            name = arg.split("=", 1)[1]
+    if name is None:
+        with open(config) as f:
+            name = (yaml.safe_load(f).get("model") or {}).get("init_args", {}).get("model_name")
+    if not name:
+        raise ValueError(f"{config}: --patch-dropout / --compare-open-clip need a CLIP config with model.init_args.model_name")
+    return name
+
+
+def with_patch_dropout(model_name: str, ratio: float, folder: str) -> str:
+    """Write a copy of an open_clip model config with ``vision_cfg.patch_dropout = ratio``.
+
+    open_clip's ``PatchDropout`` keeps a random ``1 - ratio`` of the image tokens in training (FLIP,
+    Li et al. 2023); it is what open_clip_train's ``--force-patch-dropout`` switches on, so both
+    tools drop tokens with the same code.
+
+    Args:
+        model_name: open_clip model name or JSON config path.
+        ratio: fraction of patches dropped, in [0, 1).
+        folder: where the new JSON goes.
+
+    Returns:
+        Path of the new JSON config (its stem is a new open_clip model name).
+    """
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"--patch-dropout must be in [0, 1), got {ratio}")
+    if model_name.endswith(".json"):
+        with open(model_name) as f:
+            cfg = json.load(f)
+        stem = Path(model_name).stem
+    else:
+        cfg = open_clip.get_model_config(model_name)
+        if cfg is None:
+            raise ValueError(f"model_name {model_name!r} is not an open_clip model config")
+        stem = model_name
+    cfg["vision_cfg"]["patch_dropout"] = ratio
+    path = os.path.join(folder, f"{stem}_pd{int(round(ratio * 100))}.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def run_mmssl(config: str, overrides: list[str], warmup: int, steps: int, root: str) -> dict[str, Any]:
+    """Run ``warmup + steps`` training steps of ``config`` through Lightning and measure them.
+
+    Args:
+        config: mmssl YAML config.
+        overrides: further CLI arguments (``--data.init_args.batch_size=32``...), applied after it.
+        warmup: untimed steps first (the last of them counts FLOPs).
+        steps: timed steps.
+        root: run folder root (the caller deletes it).
+
+    Returns:
+        The figures (see :func:`summarise`) plus the resolved ``batch_size``, ``num_workers``,
+        ``shards``, ``precision``, ``device``.
+    """
+    args = [
+        "--config", config, *overrides,
+        f"--trainer.max_steps={warmup + steps}", "--trainer.max_epochs=-1",
+        # Training throughput only: no validation, no sanity check, no bar redrawing.
+        "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        f"--trainer.default_root_dir={root}",
+    ]
+    # cli_main's settings, but run=False so the timer joins the trainer's callbacks first.
+    argv, sys.argv = sys.argv, sys.argv[:1]  # the CLI warns when sys.argv holds the tool's own flags
+    try:
+        cli = MMSSLCLI(
+            model_class=pl.LightningModule, datamodule_class=pl.LightningDataModule,
+            subclass_mode_model=True, subclass_mode_data=True, save_config_kwargs={"overwrite": True},
+            trainer_defaults={"default_root_dir": "runs"}, args=args, run=False,
+        )
+    finally:
+        sys.argv = argv
+    device = cli.trainer.strategy.root_device
+    timer = StepTimer(warmup, device)
+    cli.trainer.callbacks.append(timer)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    if len(timer.times.step) < steps:
+        raise RuntimeError(f"only {len(timer.times.step)} of {steps} timed steps ran; the data stream ended early")
+    precision = str(cli.trainer.precision)
+    out = summarise(timer, device, precision)
+    dm = cli.datamodule
+    out.update(
+        tool="mmssl", config=config, precision=precision, batch_size=dm.batch_size,
+        num_workers=dm.num_workers, shards=expand_urls(dm.train_data),
+    )
+    return out
+
+
+def summarise(timer: StepTimer, device: torch.device, precision: str) -> dict[str, Any]:
+    """Turn a :class:`StepTimer`'s record into the reported figures.
+
+    Returns:
+        ``samples_per_s``, ``step_time_s`` (median), ``data_wait_fraction``, ``peak_memory_bytes``
+        and its kind, ``flops_per_step``, ``matmul_peak_flops``, ``mfu`` (model FLOP/s over the
+        measured matmul peak at the same precision), ``device``, ``steps``.
+    """
+    t = timer.times
+    total = sum(t.step)
+    kind, mem = peak_memory(device, timer.peak_rss)
+    peak = matmul_peak_flops(device, precision)
+    flops = timer.flops_per_step or 0
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads"
+    return {
+        "device": name, "steps": len(t.step),
+        "samples_per_s": sum(t.batch_size) / total,
+        "step_time_s": sorted(t.step)[len(t.step) // 2],
+        "data_wait_fraction": sum(t.data_wait) / total,
+        "peak_memory_kind": kind, "peak_memory_bytes": mem,
+        "flops_per_step": flops, "matmul_peak_flops": peak,
+        "mfu": flops * len(t.step) / total / peak,
+    }
+
+
+def run_open_clip(mine: dict[str, Any], model_name: str, warmup: int, steps: int, root: str) -> dict[str, Any]:
+    """Run open_clip_train on the shards, model, batch, workers, precision and device of ``mine``.
+
+    Its log folder (holding the full checkpoint it writes at the end even with
+    ``--save-frequency 0``) lies under ``root``, which the caller deletes.
+
+    Returns:
+        ``samples_per_s``, ``step_time_s``, ``data_wait_fraction``, ``steps``, ``command``.
+    """
+    launcher = [sys.executable, "-m", "mmssl.perf.open_clip_peer"]
+    name = model_name
+    if model_name.endswith(".json"):
+        launcher += ["--model-config", model_name]
+        name = Path(model_name).stem
+    args = peer_args(
+        name, mine["shards"], (warmup + steps) * mine["batch_size"], mine["batch_size"],
+        mine["num_workers"], mine["precision"], os.path.join(root, "open_clip_logs"),
+    )
+    env = dict(os.environ)
+    # The launcher must import this very mmssl (a worktree may shadow the installed one).
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    if not mine["device"].startswith(("NVIDIA", "AMD", "cuda")) and torch.cuda.is_available():
+        env["CUDA_VISIBLE_DEVICES"] = ""  # same device as ours: it picks CUDA whenever it can
+    command = [*launcher, "--", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        tail = "\n".join(log.splitlines()[-20:])
+        hint = " (open_clip_train imports pandas: pip install 'mmssl[bench]')" if "pandas" in log else ""
+        raise RuntimeError(f"open_clip_train exited with {proc.returncode}{hint}; its output ended:\n{tail}")
+    out = parse_peer_log(log, warmup)
+    out.update(tool="open_clip_train", command=" ".join(command))
+    return out
+
+
+def benchmark(
+    config: str,
+    overrides: list[str],
+    warmup: int,
+    steps: int,
+    compare_open_clip: bool = False,
+    patch_dropout: Optional[float] = None,
+) -> dict[str, Any]:
+    """Measure mmssl on ``config`` and, optionally, open_clip_train on the same run.
+
+    Args:
+        config: mmssl YAML config.
+        overrides: extra CLI arguments for mmssl (the peer gets the resolved values).
+        warmup: untimed steps.
+        steps: timed steps.
+        compare_open_clip: also run open_clip_train and report the ratio mmssl / open_clip.
+        patch_dropout: drop this fraction of image patches in both (open_clip's PatchDropout).
+
+    Returns:
+        ``{"mmssl": {...}, "open_clip_train": {...}?, "ratio": float?}``.
+    """
+    root = tempfile.mkdtemp(prefix="mmssl_bench_")
+    try:
+        model_name = None
+        if compare_open_clip or patch_dropout:
+            model_name = _model_name(config, overrides)
+        if patch_dropout:
+            model_name = with_patch_dropout(model_name, patch_dropout, root)
+            overrides = [*overrides, f"--model.init_args.model_name={model_name}"]
+        result: dict[str, Any] = {"mmssl": run_mmssl(config, overrides, warmup, steps, os.path.join(root, "mmssl"))}
+        if compare_open_clip:
+            peer = run_open_clip(result["mmssl"], model_name, warmup, steps, root)
+            result["open_clip_train"] = peer
+            result["ratio"] = result["mmssl"]["samples_per_s"] / peer["samples_per_s"]
+        return result
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """A readable table of :func:`benchmark`'s result."""
+    m = result["mmssl"]
+    lines = [
+        f"device: {m['device']}  precision: {m['precision']}  batch: {m['batch_size']}  "
+        f"workers: {m['num_workers']}  timed steps: {m['steps']}",
+        f"{'tool':<16}{'samples/s':>11}{'step (ms)':>11}{'data wait':>11}",
+        f"{'mmssl':<16}{m['samples_per_s']:>11.1f}{m['step_time_s'] * 1e3:>11.1f}{m['data_wait_fraction']:>10.1%}",
+    ]
+    if "open_clip_train" in result:
+        p = result["open_clip_train"]
+        lines.append(f"{'open_clip_train':<16}{p['samples_per_s']:>11.1f}{p['step_time_s'] * 1e3:>11.1f}{p['data_wait_fraction']:>10.1%}")
+        lines.append(f"ratio mmssl / open_clip_train: {result['ratio']:.2f}x")
+    lines += [
+        f"peak memory ({m['peak_memory_kind']}): {m['peak_memory_bytes'] / 2**20:.0f} MiB",
+        f"FLOPs per step: {m['flops_per_step'] / 1e9:.2f} GFLOP; matmul peak at {m['precision']}: "
+        f"{m['matmul_peak_flops'] / 1e9:.1f} GFLOP/s; model FLOP utilisation: {m['mfu']:.1%}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,49 @@
+"""Training throughput of an mmssl config, optionally beside open_clip_train on the same run.
+
+    python tools/benchmark.py --config configs/fashion_mnist/clip_tiny.yaml --warmup 3 --steps 20 \
+        [--precision bf16-mixed] [--patch-dropout 0.5] [--compare-open-clip] [--json out.json] \
+        [-- --data.init_args.batch_size=32 ...]
+
+Prints samples/s, step time, the fraction of time waiting for data, peak memory and model FLOP
+utilisation; with --compare-open-clip also open_clip_train's figures and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mmssl.perf.bench import benchmark, format_report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="mmssl YAML config")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (>= 1)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--precision", help="Lightning precision (32-true, bf16-mixed, 16-mixed...)")
+    parser.add_argument("--accelerator", help="cpu, gpu or auto (default: the config's)")
+    parser.add_argument("--batch-size", type=int, help="per-device batch size (data.init_args.batch_size)")
+    parser.add_argument("--patch-dropout", type=float, help="drop this fraction of image patches (both tools)")
+    parser.add_argument("--compare-open-clip", action="store_true", help="also run open_clip_train")
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("overrides", nargs="*", help="further mmssl CLI arguments, after --")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.precision:
+        overrides.append(f"--trainer.precision={args.precision}")
+    if args.accelerator:
+        overrides.append(f"--trainer.accelerator={args.accelerator}")
+    if args.batch_size:
+        overrides.append(f"--data.init_args.batch_size={args.batch_size}")
+    result = benchmark(args.config, overrides, args.warmup, args.steps, args.compare_open_clip, args.patch_dropout)
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
