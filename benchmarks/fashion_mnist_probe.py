@@ -1,0 +1,116 @@
+"""Linear probes on Fashion-MNIST: an MAE encoder, the same encoder randomly initialised, raw pixels.
+
+    python benchmarks/fashion_mnist_probe.py --ckpt runs/.../last.ckpt --data data/fashion_mnist \
+        --train-samples 10000 --output-json probe.json
+
+A stand-in until the evaluation helper's probe tool (issue 6) lands: multinomial logistic
+regression fitted by full-batch L-BFGS on frozen, standardised features (the "fast exact option"
+of issue 6; as in the linear-probe protocol of CLIP sec. 3.2, which fits scikit-learn's L-BFGS
+logistic regression). Features: the final-norm cls token (MAE paper) and the mean of the patch
+tokens, both from one unmasked forward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from mmssl.data.labeled import labeled_loader
+from mmssl.data.transforms import eval_transform
+
+
+@torch.no_grad()
+def extract(model, folder: str, limit: int, batch_size: int = 500) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Features of the first ``limit`` samples of ``folder``: ``cls``, ``avg`` (model) or ``pixels``.
+
+    Args:
+        model: an MAE module (``forward_features``), or ``None`` for raw pixels.
+        folder: labelled shards.
+        limit: samples to read.
+        batch_size: images per forward pass.
+
+    Returns:
+        ``({name: (N, D)}, labels (N,))``.
+    """
+    size = model.image_size if model is not None else 28
+    mean = model.image_mean if model is not None else (0.0, 0.0, 0.0)
+    std = model.image_std if model is not None else (1.0, 1.0, 1.0)
+    feats: dict[str, list[torch.Tensor]] = {}
+    labels, seen = [], 0
+    for batch in labeled_loader(folder, eval_transform(size, mean, std), batch_size, split=None, image_key="png"):
+        images = batch["image"][: limit - seen]
+        if model is None:
+            out = {"pixels": images[:, 0].flatten(1)}  # grey images: one channel holds them all
+        else:
+            tokens = model.forward_features(images)  # (B, 1+L, D)
+            out = {"cls": tokens[:, 0], "avg": tokens[:, 1:].mean(dim=1)}
+        for k, v in out.items():
+            feats.setdefault(k, []).append(v)
+        labels.append(batch["label"][: len(images)])
+        seen += len(images)
+        if seen >= limit:
+            break
+    return {k: torch.cat(v) for k, v in feats.items()}, torch.cat(labels)
+
+
+def logistic_regression(x_train, y_train, x_test, y_test, weight_decay: float = 1e-4, max_iter: int = 300) -> float:
+    """Top-1 on the test set of an L2-regularised softmax regression fitted by L-BFGS.
+
+    Features are standardised with the training mean and std first, so one regularisation
+    strength suits every feature type.
+    """
+    mu, sd = x_train.mean(0), x_train.std(0) + 1e-6
+    x_train, x_test = (x_train - mu) / sd, (x_test - mu) / sd
+    classes = int(y_train.max()) + 1
+    linear = torch.nn.Linear(x_train.shape[1], classes)
+    opt = torch.optim.LBFGS(linear.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
+                            line_search_fn="strong_wolfe", tolerance_grad=1e-6)  # fmt: skip
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(linear(x_train), y_train) + weight_decay * linear.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        return (linear(x_test).argmax(1) == y_test).float().mean().item()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt", required=True, help="MAE Lightning checkpoint")
+    parser.add_argument("--data", required=True, help="folder with train/ and test/ (tools/fashion_mnist.py)")
+    parser.add_argument("--train-samples", type=int, default=10000)
+    parser.add_argument("--test-samples", type=int, default=10000)
+    parser.add_argument("--output-json")
+    args = parser.parse_args(argv)
+    from mmssl.models.mae import MAE
+
+    trained = MAE.load_from_checkpoint(args.ckpt, map_location="cpu").eval()
+    torch.manual_seed(0)
+    random_init = MAE(**{k: v for k, v in trained.hparams.items() if k != "init_encoder"}).eval()
+    results = {}
+    for name, model in (("pixels", None), ("random_init", random_init), ("mae", trained)):
+        t0 = time.time()
+        train, y_train = extract(model, os.path.join(args.data, "train"), args.train_samples)
+        test, y_test = extract(model, os.path.join(args.data, "test"), args.test_samples)
+        for kind in train:
+            top1 = logistic_regression(train[kind], y_train, test[kind], y_test)
+            results[f"{name}/{kind}"] = top1
+            print(f"{name:<12} {kind:<7} top1 {top1:.4f}  ({time.time() - t0:.0f}s)", flush=True)
+    results.update(train_samples=len(y_train), test_samples=len(y_test), ckpt=args.ckpt)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

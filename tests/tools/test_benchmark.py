@@ -1,0 +1,122 @@
+"""The benchmark harness: its figures, its FLOP count, and the open_clip_train peer."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from mmssl.data.webdataset import expand_urls
+from mmssl.models.clip import CLIP
+from mmssl.perf.bench import benchmark, format_report, with_patch_dropout
+from mmssl.perf.meter import matmul_peak_flops
+from mmssl.perf.open_clip_peer import open_clip_precision, parse_peer_log, peer_args
+
+REPO = Path(__file__).resolve().parents[2]
+
+# What open_clip_train/train.py logs per step with --log-every-n-steps 1 (batch 8).
+PEER_LOG = """\
+2026-01-01,00:00:00 | INFO | Train Epoch: 0 [ 8/32 (25%)] Data (t): 0.900 Batch (t): 2.000, 4.00000/s, 4.00000/s/gpu LR: 0.000000 Logit Scale: 14.286 Contrastive_loss: 2.0794 (2.0794) Loss: 2.0794 (2.0794)
+2026-01-01,00:00:01 | INFO | Train Epoch: 0 [16/32 (50%)] Data (t): 0.010 Batch (t): 0.100, 80.0000/s, 80.0000/s/gpu LR: 0.000000 Logit Scale: 14.286 Contrastive_loss: 2.0794 (2.0794) Loss: 2.0794 (2.0794)
+2026-01-01,00:00:01 | INFO | Train Epoch: 0 [24/32 (75%)] Data (t): 0.020 Batch (t): 0.300, 26.6667/s, 26.6667/s/gpu LR: 0.000000 Logit Scale: 14.286 Contrastive_loss: 2.0794 (2.0794) Loss: 2.0794 (2.0794)
+2026-01-01,00:00:01 | INFO | Train Epoch: 0 [32/32 (100%)] Data (t): 0.010 Batch (t): 0.100, 80.0000/s, 80.0000/s/gpu LR: 0.000000 Logit Scale: 14.286 Contrastive_loss: 2.0794 (2.0794) Loss: 2.0794 (2.0794)
+"""
+
+
+def test_parse_peer_log_drops_warmup_and_sums_step_times():
+    out = parse_peer_log(PEER_LOG, warmup=1)
+    assert out["steps"] == 3
+    assert out["samples_per_s"] == pytest.approx(24 / 0.5)  # 3 steps x 8 samples in 0.1+0.3+0.1 s
+    assert out["step_time_s"] == pytest.approx(0.1)
+    assert out["data_wait_fraction"] == pytest.approx(0.04 / 0.5)
+    with pytest.raises(RuntimeError, match="logged 4 steps"):
+        parse_peer_log(PEER_LOG, warmup=4)
+
+
+def test_peer_args_translate_precision_and_patch_dropout():
+    args = peer_args("m", ["a.tar", "b.tar"], 64, 8, 2, "bf16-mixed", "/tmp/x", patch_dropout=0.5)
+    opts = dict(zip(args[::2], args[1::2]))  # flag-value pairs up to the first bare flag
+    assert args[args.index("--train-data") + 1] == "a.tar::b.tar"
+    assert args[args.index("--precision") + 1] == "amp_bf16"
+    assert args[args.index("--force-patch-dropout") + 1] == "0.5"
+    assert "--dataset-resampled" in args and opts["--train-data"] == "a.tar::b.tar"
+    assert open_clip_precision("32-true") == "fp32"
+    with pytest.raises(ValueError, match="64-true"):
+        open_clip_precision("64-true")
+
+
+def test_with_patch_dropout_copies_config(tmp_path, tiny_clip_json):
+    path = with_patch_dropout(tiny_clip_json, 0.5, str(tmp_path))
+    cfg = json.loads(Path(path).read_text())
+    assert cfg["vision_cfg"]["patch_dropout"] == 0.5
+    assert cfg["text_cfg"] == json.loads(Path(tiny_clip_json).read_text())["text_cfg"]
+    assert json.loads(Path(with_patch_dropout("ViT-B-32", 0.25, str(tmp_path))).read_text())["vision_cfg"]["width"] == 768
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        with_patch_dropout(tiny_clip_json, 1.0, str(tmp_path))
+
+
+def test_matmul_peak_is_positive_and_finite():
+    peak = matmul_peak_flops(torch.device("cpu"), "32-true", size=128, reps=1)
+    assert 1e6 < peak < 1e15
+
+
+def _expected_step_flops(model_json: str, batch: int) -> int:
+    """FLOPs of one CLIP forward + backward, counted independently of the harness."""
+    model = CLIP(model_name=model_json)
+    images = torch.randn(batch, 3, 32, 32)
+    tokens = torch.randint(0, 49408, (batch, 16))
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        model._loss({"image": images, "text": tokens}).backward()
+    return counter.get_total_flops()
+
+
+def _common(tiny_demo, tiny_clip_json):
+    return [
+        f"--model.init_args.model_name={tiny_clip_json}",
+        # The shards themselves, not demo_dir: the data module would regenerate a full-size demo
+        # set there (its settings differ from the fixture's).
+        f"--data.init_args.train_data={tiny_demo.train}",
+        "--data.init_args.batch_size=8", "--data.init_args.num_workers=0",
+    ]
+
+
+def test_benchmark_measures_lightning_steps_and_counts_their_flops(tiny_demo, tiny_clip_json, tmp_path):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import benchmark as tool
+    finally:
+        sys.path.pop(0)
+    out_json = tmp_path / "bench.json"
+    result = tool.main([
+        "--config", str(REPO / "configs/demo/clip.yaml"), "--warmup", "2", "--steps", "3",
+        "--json", str(out_json), "--", *_common(tiny_demo, tiny_clip_json),
+    ])
+    m = result["mmssl"]
+    assert m["steps"] == 3 and m["batch_size"] == 8 and m["precision"] == "32-true"
+    assert m["samples_per_s"] > 0 and m["step_time_s"] > 0
+    assert 0.0 <= m["data_wait_fraction"] < 1.0
+    assert m["peak_memory_bytes"] > 50 * 2**20  # a Python process with torch loaded
+    # The timer counts exactly one forward + backward of the real step (optimizer: no matmuls).
+    assert m["flops_per_step"] == _expected_step_flops(tiny_clip_json, 8)
+    assert 0.0 < m["mfu"] < 1.5  # a measured peak under load can be beaten a little; not 10x
+    assert json.loads(out_json.read_text())["mmssl"]["flops_per_step"] == m["flops_per_step"]
+    assert m["shards"] == expand_urls(tiny_demo.train)  # what the peer is handed
+
+
+def test_compare_open_clip_runs_the_peer_on_the_same_shards(tiny_demo, tiny_clip_json, capsys):
+    pytest.importorskip("pandas", reason="open_clip_train 3.3.0 imports pandas (the bench extra)")
+    result = benchmark(
+        str(REPO / "configs/demo/clip.yaml"), _common(tiny_demo, tiny_clip_json), warmup=1, steps=2,
+        compare_open_clip=True, patch_dropout=0.5,
+    )
+    peer = result["open_clip_train"]
+    # It ran past the end of a 16-sample shard: the webdataset end-of-shard fix holds.
+    assert peer["steps"] == 2 and peer["samples_per_s"] > 0
+    assert "--force-patch-dropout" not in peer["command"]  # dropout comes in the model config
+    assert "clip_test_tiny_pd50" in peer["command"] and "--precision fp32" in peer["command"]
+    assert result["ratio"] == pytest.approx(result["mmssl"]["samples_per_s"] / peer["samples_per_s"])
+    assert "ratio mmssl / open_clip_train" in format_report(result)

@@ -1,0 +1,177 @@
+"""Fashion-MNIST idx files -> webdataset shards with captions, in the clip_benchmark layout.
+
+    apt-get install dataset-fashion-mnist     # idx files in /usr/share/datasets/fashion-mnist
+    python tools/fashion_mnist.py --output data/fashion_mnist
+
+writes ``train/`` (60000 samples) and ``test/`` (10000), each a folder of shards
+``{00000..}.tar`` whose samples hold ``png`` (the 28x28 grey image, lossless), ``txt`` (a caption
+naming the class), ``cls`` (label index), plus ``sizes.json`` (samples per shard, open_clip's
+convention), ``classnames.txt`` and ``zeroshot_classification_templates.txt`` (the files
+clip_benchmark reads), so each folder serves ``--data.train_data``, zero-shot and probes alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import os
+import random
+import struct
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import webdataset as wds
+from PIL import Image
+
+DEFAULT_SOURCE = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
+# Label order of the idx files (Xiao et al. 2017, github.com/zalandoresearch/fashion-mnist).
+CLASSNAMES: tuple[str, ...] = (
+    "t-shirt", "trouser", "pullover", "dress", "coat",
+    "sandal", "shirt", "sneaker", "bag", "ankle boot",
+)
+# Captions vary the phrasing so CLIP must find the class word, not memorise one sentence.
+CAPTION_TEMPLATES: tuple[str, ...] = (
+    "a photo of a {c}.",
+    "a black and white photo of a {c}.",
+    "a grayscale product image of a {c}.",
+    "a low resolution photo of a {c}.",
+    "a {c} on a black background.",
+    "a small picture of a {c}.",
+)
+# Zero-shot prompts (in the style of CLIP's templates; clip_benchmark's fashion-mnist-less list).
+ZERO_SHOT_TEMPLATES: tuple[str, ...] = (
+    "a photo of a {c}.",
+    "a black and white photo of a {c}.",
+    "a grayscale product image of a {c}.",
+    "a picture of a {c}.",
+)
+SPLITS = {"train": "train", "test": "t10k"}  # our folder name -> idx file prefix
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str) -> np.ndarray:
+    """Read an idx file (LeCun's MNIST format), gzipped or not.
+
+    Format: two zero bytes, a dtype code, the number of dimensions, then each dimension as a
+    big-endian uint32, then the data in C order.
+
+    Args:
+        path: ``*-idx?-ubyte`` or ``*-idx?-ubyte.gz``.
+
+    Returns:
+        The array, shaped as the header says.
+
+    Raises:
+        ValueError: if the header is not an idx header or the data is short.
+    """
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
+        raise ValueError(f"{path}: not an idx file (bad magic {raw[:4]!r})")
+    ndim = raw[3]
+    shape = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
+    dtype = np.dtype(_IDX_DTYPES[raw[2]])
+    expected = int(np.prod(shape)) * dtype.itemsize
+    data = raw[4 + 4 * ndim :]
+    if len(data) != expected:
+        raise ValueError(f"{path}: header says {shape} ({expected} bytes), file holds {len(data)}")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def find_idx(source: str, prefix: str, kind: str) -> str:
+    """Path of ``{prefix}-{kind}-idx?-ubyte[.gz]`` in ``source`` (kind: images or labels)."""
+    dims = "3" if kind == "images" else "1"
+    for name in (f"{prefix}-{kind}-idx{dims}-ubyte.gz", f"{prefix}-{kind}-idx{dims}-ubyte"):
+        if os.path.isfile(os.path.join(source, name)):
+            return os.path.join(source, name)
+    raise FileNotFoundError(
+        f"no {prefix}-{kind}-idx{dims}-ubyte[.gz] in {source!r} (apt-get install dataset-fashion-mnist, "
+        "or pass --source)"
+    )
+
+
+def write_split(images: np.ndarray, labels: np.ndarray, folder: Path, shard_size: int, seed: int) -> dict[str, int]:
+    """Write one split as shards plus the clip_benchmark side files.
+
+    Args:
+        images: (N, 28, 28) uint8.
+        labels: (N,) label indices into :data:`CLASSNAMES`.
+        folder: output folder (created).
+        shard_size: samples per shard.
+        seed: caption-choice seed (the same seed gives byte-identical shards).
+
+    Returns:
+        ``sizes.json``'s content: samples per shard file name.
+    """
+    if len(images) != len(labels):
+        raise ValueError(f"{folder.name}: {len(images)} images but {len(labels)} labels")
+    if labels.size and (labels.min() < 0 or labels.max() >= len(CLASSNAMES)):
+        raise ValueError(f"{folder.name}: labels outside 0..{len(CLASSNAMES) - 1}")
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.tar"):
+        old.unlink()
+    rng = random.Random(seed)
+    # Fixed mtime, USTAR, as mmssl's demo writer: identical bytes for identical inputs.
+    with wds.ShardWriter(str(folder / "%05d.tar"), maxcount=shard_size, verbose=0, mtime=0,
+                         format=tarfile.USTAR_FORMAT) as sink:  # fmt: skip
+        for i, (image, label) in enumerate(zip(images, labels)):
+            buf = io.BytesIO()
+            Image.fromarray(np.ascontiguousarray(image), mode="L").save(buf, format="PNG")
+            name = CLASSNAMES[int(label)]
+            sink.write({
+                "__key__": f"{folder.name}{i:06d}",
+                "png": buf.getvalue(),
+                "txt": rng.choice(CAPTION_TEMPLATES).format(c=name),
+                "cls": str(int(label)),
+            })
+    n = len(images)
+    sizes = {f"{i:05d}.tar": min(shard_size, n - i * shard_size) for i in range((n + shard_size - 1) // shard_size)}
+    (folder / "sizes.json").write_text(json.dumps(sizes))
+    (folder / "classnames.txt").write_text("\n".join(CLASSNAMES) + "\n")
+    (folder / "zeroshot_classification_templates.txt").write_text("\n".join(ZERO_SHOT_TEMPLATES) + "\n")
+    return sizes
+
+
+def convert(source: str, output: str, shard_size: int = 10000, limit: int | None = None, seed: int = 0) -> dict:
+    """Convert both splits; returns ``{split: sizes}``.
+
+    Args:
+        source: folder of the four idx files.
+        output: folder receiving ``train/`` and ``test/``.
+        shard_size: samples per shard.
+        limit: keep only the first ``limit`` samples of each split (quick runs).
+        seed: caption seed (the test split uses ``seed + 1``).
+    """
+    out = {}
+    for offset, (split, prefix) in enumerate(SPLITS.items()):
+        images = read_idx(find_idx(source, prefix, "images"))
+        labels = read_idx(find_idx(source, prefix, "labels"))
+        if images.ndim != 3:
+            raise ValueError(f"{prefix} images: expected (N, H, W), got shape {images.shape}")
+        if limit is not None:
+            images, labels = images[:limit], labels[:limit]
+        out[split] = write_split(images, labels, Path(output) / split, shard_size, seed + offset)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", default=DEFAULT_SOURCE, help="folder with the idx files")
+    parser.add_argument("--output", required=True, help="writes OUTPUT/train and OUTPUT/test")
+    parser.add_argument("--shard-size", type=int, default=10000, help="samples per shard")
+    parser.add_argument("--limit", type=int, help="first N samples per split only")
+    parser.add_argument("--seed", type=int, default=0, help="caption seed")
+    args = parser.parse_args(argv)
+    result = convert(args.source, args.output, args.shard_size, args.limit, args.seed)
+    for split, sizes in result.items():
+        print(f"{split}: {sum(sizes.values())} samples in {len(sizes)} shards -> {Path(args.output) / split}")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
