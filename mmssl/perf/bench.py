@@ -135,7 +135,7 @@ def summarise(timer: StepTimer, device: torch.device, precision: str) -> dict[st
     flops = timer.flops_per_step or 0
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads"
     return {
-        "device": name, "steps": len(t.step),
+        "device": name, "device_type": device.type, "steps": len(t.step),
         "samples_per_s": sum(t.batch_size) / total,
         "step_time_s": sorted(t.step)[len(t.step) // 2],
         "data_wait_fraction": sum(t.data_wait) / total,
@@ -167,7 +167,7 @@ def run_open_clip(mine: dict[str, Any], model_name: str, warmup: int, steps: int
     # The launcher must import this very mmssl (a worktree may shadow the installed one).
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    if not mine["device"].startswith(("NVIDIA", "AMD", "cuda")) and torch.cuda.is_available():
+    if mine["device_type"] == "cpu" and torch.cuda.is_available():
         env["CUDA_VISIBLE_DEVICES"] = ""  # same device as ours: it picks CUDA whenever it can
     command = [*launcher, "--", *args]
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
