@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torchvision.utils import make_grid, save_image
 
@@ -23,11 +24,16 @@ class Reconstructions(Callback):
         every_n_steps: interval in optimizer steps; a final grid is also written at the end.
         num_images: rows in the grid.
         seed: seed of the mask drawn for the grid.
+        zoom: integer nearest-neighbour upscaling of each panel, so small (e.g. 32-pixel demo)
+            images stay legible in the PNG and TensorBoard.
     """
 
-    def __init__(self, every_n_steps: int = 100, num_images: int = 8, seed: int = 0) -> None:
+    def __init__(self, every_n_steps: int = 100, num_images: int = 8, seed: int = 0, zoom: int = 1) -> None:
         if every_n_steps <= 0:
             raise ValueError(f"every_n_steps must be positive, got {every_n_steps}")
+        if zoom < 1:
+            raise ValueError(f"zoom must be >= 1, got {zoom}")
+        self.zoom = zoom
         self.every_n_steps = every_n_steps
         self.num_images = num_images
         self.seed = seed
@@ -64,8 +70,10 @@ class Reconstructions(Callback):
         recon = recon.float() * std + mean
         masked = original * (1 - mask) + 0.5 * mask  # removed patches shown grey
         pasted = original * (1 - mask) + recon * mask
-        panels = torch.stack([original, masked, recon, pasted], dim=1)  # (B, 4, 3, H, W)
-        return make_grid(panels.flatten(0, 1).clamp(0, 1).cpu(), nrow=4, padding=2, pad_value=1.0)
+        panels = torch.stack([original, masked, recon, pasted], dim=1).flatten(0, 1)  # (4B, 3, H, W)
+        if self.zoom > 1:
+            panels = F.interpolate(panels, scale_factor=self.zoom, mode="nearest")
+        return make_grid(panels.clamp(0, 1).cpu(), nrow=4, padding=2, pad_value=1.0)
 
     @torch.no_grad()
     def log_grid(self, trainer: Trainer, pl_module: LightningModule) -> None:
