@@ -1,1 +1,1 @@
-"""Models: the masked ViT encoder shared by MAE and masked CLIP (FLIP), and the LightningModules."""
+"""LightningModules and their building blocks."""

@@ -1,0 +1,236 @@
+"""The embedded demo data set: procedurally drawn scenes with attribute-rich captions.
+
+A user with no data of their own gets a real, learnable image-text set on first use. Each image
+shows one shape of a given colour and size at a position on a background; its caption names these
+attributes in one of several phrasings, so a CLIP model must bind words to visual attributes, and
+an MAE must model shapes, colours and backgrounds. Generation is deterministic: the same seed and
+sizes give byte-identical shards (fixed tar mtime, fixed JPEG settings, one seeded RNG).
+
+Written in the img2dataset layout (``{key}.jpg``, ``{key}.txt``, ``{key}.cls``) as webdataset
+shards, plus a labelled held-out split laid out as clip_benchmark reads it (``classnames.txt``,
+``zeroshot_classification_templates.txt``), so the zero-shot callback and external tools can
+both use it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import random
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import webdataset as wds
+from PIL import Image, ImageDraw
+
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "diamond")
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (235, 210, 40),
+    "purple": (140, 60, 180),
+    "orange": (245, 140, 30),
+}
+SIZES: dict[str, float] = {"small": 0.18, "large": 0.34}  # radius as a fraction of the image side
+POSITIONS: dict[str, tuple[float, float]] = {
+    "in the top left": (0.3, 0.3),
+    "in the top right": (0.7, 0.3),
+    "in the bottom left": (0.3, 0.7),
+    "in the bottom right": (0.7, 0.7),
+    "in the center": (0.5, 0.5),
+}
+BACKGROUNDS: dict[str, tuple[int, int, int]] = {
+    "white": (245, 245, 245),
+    "black": (20, 20, 20),
+    "gray": (128, 128, 128),
+}
+CAPTION_TEMPLATES: tuple[str, ...] = (
+    "a {size} {color} {shape} {position} on a {background} background",
+    "a drawing of a {size} {color} {shape} {position}, {background} background",
+    "{background} background with a {color} {shape} {position}, {size}",
+    "a picture of a {color} {shape}, {size}, {position} on {background}",
+)
+# Zero-shot prompts, in the spirit of CLIP's "a photo of a {}." but for drawings.
+ZERO_SHOT_TEMPLATES: tuple[str, ...] = (
+    "a {c}.",
+    "a drawing of a {c}.",
+    "a picture of a {c}.",
+    "a small {c}.",
+    "a large {c}.",
+)
+DEFAULT_DEMO_DIR = os.path.join(
+    os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")), "mmssl", "demo"
+)
+# Bump when the generator's output changes, so stale caches are not reused.
+DEMO_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DemoData:
+    """Where the generated demo set lies.
+
+    Attributes:
+        root: the folder holding everything below.
+        train: brace pattern of the training shards.
+        val: brace pattern of the held-out image-text shards (also labelled with ``.cls``).
+        eval_dir: the labelled held-out split in clip_benchmark layout (shards + class names +
+            templates); the zero-shot and probe callbacks read it.
+        classnames: class names, in label order.
+    """
+
+    root: str
+    train: str
+    val: str
+    eval_dir: str
+    classnames: tuple[str, ...]
+
+
+def demo_classnames() -> tuple[str, ...]:
+    """Class names of the demo set: every colour-shape pair ("red circle", ...), 36 classes."""
+    return tuple(f"{c} {s}" for c in COLORS for s in SHAPES)
+
+
+def _polygon(shape: str, cx: float, cy: float, r: float, rot: float) -> list[tuple[float, float]]:
+    """Vertices of a polygonal shape centred at (cx, cy) with outer radius r, rotated by rot."""
+    if shape == "square":
+        angles, radii = [rot + math.pi / 4 + k * math.pi / 2 for k in range(4)], [r] * 4
+    elif shape == "diamond":
+        angles, radii = [rot + k * math.pi / 2 for k in range(4)], [r, 0.6 * r] * 2
+    elif shape == "triangle":
+        angles, radii = [rot - math.pi / 2 + k * 2 * math.pi / 3 for k in range(3)], [r] * 3
+    elif shape == "star":
+        angles = [rot - math.pi / 2 + k * math.pi / 5 for k in range(10)]
+        radii = [r if k % 2 == 0 else 0.45 * r for k in range(10)]
+    elif shape == "cross":
+        w = 0.35 * r  # half-width of each bar
+        pts = [(w, r), (w, w), (r, w), (r, -w), (w, -w), (w, -r),
+               (-w, -r), (-w, -w), (-r, -w), (-r, w), (-w, w), (-w, r)]  # fmt: skip
+        c, s = math.cos(rot), math.sin(rot)
+        return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in pts]
+    else:
+        raise ValueError(f"unknown shape {shape!r}")
+    return [(cx + rr * math.cos(a), cy + rr * math.sin(a)) for a, rr in zip(angles, radii)]
+
+
+def draw_scene(
+    rng: random.Random, image_size: int = 64
+) -> tuple[Image.Image, dict[str, str]]:
+    """Draw one random scene.
+
+    Args:
+        rng: the random source (all randomness comes from it, for determinism).
+        image_size: side of the square RGB image in pixels.
+
+    Returns:
+        The image and its attributes (``shape``, ``color``, ``size``, ``position``,
+        ``background``).
+    """
+    attrs = {
+        "shape": rng.choice(SHAPES),
+        "color": rng.choice(list(COLORS)),
+        "size": rng.choice(list(SIZES)),
+        "position": rng.choice(list(POSITIONS)),
+        "background": rng.choice(list(BACKGROUNDS)),
+    }
+    bg = tuple(min(255, max(0, v + rng.randint(-12, 12))) for v in BACKGROUNDS[attrs["background"]])
+    img = Image.new("RGB", (image_size, image_size), bg)
+    draw = ImageDraw.Draw(img)
+    fx, fy = POSITIONS[attrs["position"]]
+    jitter = 0.05 * image_size
+    cx = fx * image_size + rng.uniform(-jitter, jitter)
+    cy = fy * image_size + rng.uniform(-jitter, jitter)
+    r = SIZES[attrs["size"]] * image_size * rng.uniform(0.85, 1.1) * (0.75 if fx != 0.5 else 1.0)
+    fill = tuple(min(255, max(0, v + rng.randint(-20, 20))) for v in COLORS[attrs["color"]])
+    if attrs["shape"] == "circle":
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    else:
+        rot = rng.uniform(-0.25, 0.25)
+        draw.polygon(_polygon(attrs["shape"], cx, cy, r, rot), fill=fill)
+    return img, attrs
+
+
+def caption(attrs: dict[str, str], rng: random.Random) -> str:
+    """A caption naming every attribute, in one of several phrasings."""
+    return rng.choice(CAPTION_TEMPLATES).format(**attrs)
+
+
+def _write_split(
+    pattern: str, num_samples: int, shard_size: int, seed: int, image_size: int, prefix: str
+) -> int:
+    """Write ``num_samples`` scenes as shards; returns the number of shards written."""
+    rng = random.Random(seed)
+    classes = {name: i for i, name in enumerate(demo_classnames())}
+    # Fixed mtime and quiet writer: identical bytes for identical inputs. USTAR: no 1 KiB pax
+    # header per member, which would triple the size of these small samples.
+    with wds.ShardWriter(
+        pattern, maxcount=shard_size, verbose=0, mtime=0, format=tarfile.USTAR_FORMAT
+    ) as sink:
+        for i in range(num_samples):
+            img, attrs = draw_scene(rng, image_size)
+            buf = io.BytesIO()
+            img.save(buf, format="JPEG", quality=90)
+            sink.write({
+                "__key__": f"{prefix}{i:07d}",
+                "jpg": buf.getvalue(),
+                "txt": caption(attrs, rng),
+                "cls": str(classes[f"{attrs['color']} {attrs['shape']}"]),
+                "json": json.dumps(attrs, sort_keys=True),
+            })
+    return math.ceil(num_samples / shard_size)
+
+
+def ensure_demo_data(
+    root: str | None = None,
+    num_train: int = 10000,
+    num_val: int = 1000,
+    shard_size: int = 2000,
+    image_size: int = 64,
+    seed: int = 0,
+) -> DemoData:
+    """Generate the demo set into ``root`` unless it is already there, and say where it is.
+
+    A ``done.json`` marker records the generation settings; a folder whose marker differs (other
+    sizes, an older generator) is regenerated, so a cache never silently serves stale data.
+
+    Args:
+        root: cache folder; default ``~/.cache/mmssl/demo`` (honours ``XDG_CACHE_HOME``).
+        num_train: training image-text pairs.
+        num_val: held-out pairs (with labels), used for validation loss and zero-shot.
+        shard_size: samples per tar shard.
+        image_size: side of the generated images in pixels.
+        seed: generation seed; the held-out split uses ``seed + 1``.
+
+    Returns:
+        The paths of the generated splits.
+    """
+    root_path = Path(root or DEFAULT_DEMO_DIR).expanduser()
+    settings = dict(version=DEMO_VERSION, num_train=num_train, num_val=num_val,
+                    shard_size=shard_size, image_size=image_size, seed=seed)  # fmt: skip
+    marker = root_path / "done.json"
+    train_dir, eval_dir = root_path / "train", root_path / "val"
+    if not (marker.exists() and json.loads(marker.read_text()) == settings):
+        for d in (train_dir, eval_dir):
+            d.mkdir(parents=True, exist_ok=True)
+            for old in d.glob("*.tar"):
+                old.unlink()
+        for folder, count, split_seed, prefix in ((train_dir, num_train, seed, "t"), (eval_dir, num_val, seed + 1, "v")):
+            n = _write_split(str(folder / "%05d.tar"), count, shard_size, split_seed, image_size, prefix)
+            # sizes.json as open_clip reads it: samples per shard, for the epoch length.
+            sizes = {f"{i:05d}.tar": min(shard_size, count - i * shard_size) for i in range(n)}
+            (folder / "sizes.json").write_text(json.dumps(sizes))
+        (eval_dir / "classnames.txt").write_text("\n".join(demo_classnames()) + "\n")
+        (eval_dir / "zeroshot_classification_templates.txt").write_text("\n".join(ZERO_SHOT_TEMPLATES) + "\n")
+        marker.write_text(json.dumps(settings))
+    n_train = len(list(train_dir.glob("*.tar")))
+    n_val = len(list(eval_dir.glob("*.tar")))
+    return DemoData(
+        root=str(root_path),
+        train=str(train_dir / f"{{00000..{n_train - 1:05d}}}.tar"),
+        val=str(eval_dir / f"{{00000..{n_val - 1:05d}}}.tar"),
+        eval_dir=str(eval_dir),
+        classnames=demo_classnames(),
+    )
