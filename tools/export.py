@@ -11,7 +11,9 @@ from mmssl.export import EXPORTERS, export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ckpt", required=True, help="Lightning checkpoint written by `mmssl fit`")
     parser.add_argument("--format", required=True, choices=sorted(EXPORTERS), help="target library")
     parser.add_argument("--output", required=True, help="output file (.pth, or .safetensors)")

@@ -28,7 +28,9 @@ class Reconstructions(Callback):
             images stay legible in the PNG and TensorBoard.
     """
 
-    def __init__(self, every_n_steps: int = 100, num_images: int = 8, seed: int = 0, zoom: int = 1) -> None:
+    def __init__(
+        self, every_n_steps: int = 100, num_images: int = 8, seed: int = 0, zoom: int = 1
+    ) -> None:
         if every_n_steps <= 0:
             raise ValueError(f"every_n_steps must be positive, got {every_n_steps}")
         if zoom < 1:
@@ -40,11 +42,15 @@ class Reconstructions(Callback):
         self._images: torch.Tensor | None = None
         self._last_step = -1
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: dict, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: dict, batch_idx: int
+    ) -> None:
         if self._images is None:
             self._images = batch["image"][: self.num_images].detach().clone()
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step % self.every_n_steps == 0 and step != self._last_step:
             self.log_grid(trainer, pl_module)
@@ -70,14 +76,15 @@ class Reconstructions(Callback):
         recon = recon.float() * std + mean
         masked = original * (1 - mask) + 0.5 * mask  # removed patches shown grey
         pasted = original * (1 - mask) + recon * mask
-        panels = torch.stack([original, masked, recon, pasted], dim=1).flatten(0, 1)  # (4B, 3, H, W)
+        panels = torch.stack([original, masked, recon, pasted], dim=1)  # (B, 4, 3, H, W)
+        panels = panels.flatten(0, 1)  # (4B, 3, H, W), one row of 4 per image
         if self.zoom > 1:
             panels = F.interpolate(panels, scale_factor=self.zoom, mode="nearest")
         return make_grid(panels.clamp(0, 1).cpu(), nrow=4, padding=2, pad_value=1.0)
 
     @torch.no_grad()
     def log_grid(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Write the grid to every logger with ``add_image`` and as PNG under ``trainer.log_dir``."""
+        """Write the grid to each logger with ``add_image``, and as PNG under ``trainer.log_dir``."""
         if self._images is None or not hasattr(pl_module, "reconstruct"):
             return
         self._last_step = trainer.global_step

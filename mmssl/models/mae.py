@@ -17,7 +17,13 @@ from torch import nn
 
 from mmssl.losses import mae_loss
 from mmssl.models.masking import Masking, patchify, unpatchify
-from mmssl.models.vit import LayerNorm, MaskedViT, init_vit_weights, load_encoder, sincos_pos_embed_2d
+from mmssl.models.vit import (
+    LayerNorm,
+    MaskedViT,
+    init_vit_weights,
+    load_encoder,
+    sincos_pos_embed_2d,
+)
 from mmssl.optim import param_groups, warmup_cosine
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -60,7 +66,8 @@ class MAEDecoder(nn.Module):
         super().__init__()
         if embed_dim % num_heads:
             raise ValueError(
-                f"decoder_embed_dim ({embed_dim}) must be divisible by decoder_num_heads ({num_heads})"
+                f"decoder_embed_dim ({embed_dim}) must be divisible by "
+                f"decoder_num_heads ({num_heads})"
             )
         grid = int(round(num_patches**0.5))
         self.embed = nn.Linear(encoder_dim, embed_dim)
@@ -69,7 +76,8 @@ class MAEDecoder(nn.Module):
             sincos_pos_embed_2d(embed_dim, grid, cls_token=True).unsqueeze(0), requires_grad=False
         )
         self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias=True, norm_layer=LayerNorm) for _ in range(depth)
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias=True, norm_layer=LayerNorm)
+            for _ in range(depth)
         )
         self.norm = LayerNorm(embed_dim)
         self.pred = nn.Linear(embed_dim, patch_size**2 * in_chans)
@@ -210,7 +218,9 @@ class MAE(LightningModule):
         """Unmasked encoder tokens after the final norm: (B, 3, H, W) -> (B, 1+L, D)."""
         return self.encoder.forward_features(images)
 
-    def forward_intermediates(self, images: torch.Tensor, pool: str = "cls", norm: bool = False) -> list[torch.Tensor]:
+    def forward_intermediates(
+        self, images: torch.Tensor, pool: str = "cls", norm: bool = False
+    ) -> list[torch.Tensor]:
         """Pooled (B, D) output of every encoder block, unmasked; see ``MaskedViT``."""
         return self.encoder.forward_intermediates(images, pool, norm)  # type: ignore[arg-type]
 
@@ -256,7 +266,8 @@ class MAE(LightningModule):
         # Fixed masks per batch index so successive validations compare like with like.
         generator = torch.Generator(device=self.device).manual_seed(batch_idx)
         loss, _, _ = self(batch["image"], generator)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["image"].shape[0])
+        batch_size = batch["image"].shape[0]
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch_size)
 
     def _global_batch_size(self) -> int:
         """Per-device batch x devices x accumulation, as in MAE ``main_pretrain.py``."""
@@ -281,6 +292,9 @@ class MAE(LightningModule):
             for group in optimizer.param_groups:
                 group["lr"] = lr
                 group["initial_lr"] = lr
-            rank_zero_info(f"MAE: effective lr {lr:.3e} = blr {self.blr:.3e} x global batch {global_batch} / 256")
+            rank_zero_info(
+                f"MAE: effective lr {lr:.3e} = blr {self.blr:.3e} x global batch {global_batch} / 256"
+            )
         scheduler = warmup_cosine(optimizer, self.warmup_steps, total_steps, self.min_lr_ratio)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        schedule = {"scheduler": scheduler, "interval": "step"}
+        return {"optimizer": optimizer, "lr_scheduler": schedule}

@@ -103,7 +103,9 @@ def patchify(imgs: torch.Tensor, patch_size: int) -> torch.Tensor:
     return x.reshape(b, (h // p) * (w // p), p * p * c)
 
 
-def unpatchify(x: torch.Tensor, patch_size: int, grid_size: tuple[int, int] | None = None) -> torch.Tensor:
+def unpatchify(
+    x: torch.Tensor, patch_size: int, grid_size: tuple[int, int] | None = None
+) -> torch.Tensor:
     """Inverse of :func:`patchify`.
 
     Args:

@@ -42,7 +42,7 @@ def sincos_pos_embed_2d(embed_dim: int, grid_size: int, cls_token: bool = False)
         ((1 if cls_token else 0) + grid_size**2, D) float32.
     """
     if embed_dim % 4:
-        raise ValueError(f"embed_dim must be divisible by 4 for 2-D sin-cos embeddings, got {embed_dim}")
+        raise ValueError(f"embed_dim must be divisible by 4 for 2-D sin-cos, got {embed_dim}")
     coords = torch.arange(grid_size, dtype=torch.float64)
     rows, cols = torch.meshgrid(coords, coords, indexing="ij")  # (h, w) each
     omega = 1.0 / 10000 ** (torch.arange(embed_dim // 4, dtype=torch.float64) / (embed_dim / 4))
@@ -99,10 +99,13 @@ class MaskedViT(nn.Module):
         super().__init__()
         if image_size <= 0 or patch_size <= 0 or image_size % patch_size:
             raise ValueError(
-                f"image_size ({image_size}) must be a positive multiple of patch_size ({patch_size})"
+                f"image_size ({image_size}) must be a positive multiple of "
+                f"patch_size ({patch_size})"
             )
         if embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+            raise ValueError(
+                f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})"
+            )
         self.image_size = image_size
         self.patch_size = patch_size
         self.grid_size = image_size // patch_size
@@ -112,10 +115,15 @@ class MaskedViT(nn.Module):
         self.patch_embed = PatchEmbed(image_size, patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         # MAE sec. A.1: fixed sin-cos embeddings, stored (not trained) under timm's name.
-        self.pos_embed = nn.Parameter(torch.zeros(1, 1 + self.num_patches, embed_dim), requires_grad=False)
+        self.pos_embed = nn.Parameter(
+            torch.zeros(1, 1 + self.num_patches, embed_dim), requires_grad=False
+        )
         dpr = [drop_path_rate * i / max(1, depth - 1) for i in range(depth)]
         self.blocks = nn.ModuleList(
-            Block(embed_dim, num_heads, mlp_ratio, qkv_bias=qkv_bias, drop_path=dpr[i], norm_layer=LayerNorm)
+            Block(
+                embed_dim, num_heads, mlp_ratio,
+                qkv_bias=qkv_bias, drop_path=dpr[i], norm_layer=LayerNorm,
+            )
             for i in range(depth)
         )
         self.norm = LayerNorm(embed_dim)
@@ -143,7 +151,8 @@ class MaskedViT(nn.Module):
         """
         if images.shape[-2:] != (self.image_size, self.image_size):
             raise ValueError(
-                f"expected images of {self.image_size}x{self.image_size}, got {tuple(images.shape[-2:])}"
+                f"expected images of {self.image_size}x{self.image_size}, "
+                f"got {tuple(images.shape[-2:])}"
             )
         x = self.patch_embed(images)  # (B, L, D)
         return x + self.pos_embed[:, 1:, :]
@@ -248,7 +257,9 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
             break
     state = {k.removeprefix("module."): v for k, v in state.items()}
     if any(k.startswith("encoder.") for k in state):
-        state = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
+        state = {
+            k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")
+        }
     return state
 
 
@@ -274,6 +285,7 @@ def load_encoder(encoder: MaskedViT, path: str) -> None:
     state = {k: v for k, v in state.items() if k in own}
     missing = sorted(k for k in own if k not in state)
     if missing:
-        raise KeyError(f"checkpoint {path} lacks encoder weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        more = " ..." if len(missing) > 8 else ""
+        raise KeyError(f"checkpoint {path} lacks encoder weights: {missing[:8]}{more}")
     encoder.load_state_dict(state)
     log.info("initialised encoder from %s (ignored %d keys: %s)", path, len(ignored), ignored[:8])
