@@ -40,3 +40,20 @@ def test_demo_recipe_builds():
     cfg = yaml.safe_load((CONFIGS / "demo" / "mae.yaml").read_text())
     model = MAE(**{k: v for k, v in cfg["model"]["init_args"].items() if k != "optimizer"})
     assert model.image_size == 32 and sum(p.numel() for p in model.parameters()) < 2_000_000
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_recipe_runs_two_steps_on_cpu_at_tiny_scale(name, tmp_path, monkeypatch):
+    from mmssl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main([
+        "fit", "--config", str(CONFIGS / "mae" / f"{name}.yaml"),
+        "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1",
+        "--trainer.strategy=auto", "--trainer.precision=32-true", "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=0",
+        "--data.train_data=null", "--data.batch_size=4", "--data.num_workers=0",
+        "--data.train_num_samples=64", "--model.image_size=32", "--model.patch_size=4",
+        "--model.embed_dim=64", "--model.depth=1", "--model.num_heads=4",
+        "--model.decoder_embed_dim=32", "--model.decoder_depth=1", "--model.decoder_num_heads=4",
+    ])
