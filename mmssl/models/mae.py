@@ -230,9 +230,10 @@ class MAE(LightningModule):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reconstruct images for display, in the input's normalised space.
 
-        With ``norm_pix_loss`` the prediction is per-patch normalised; it is mapped back with the
-        true patch mean and std (MAE's released visualisation does the same for such models), so
-        colours of masked patches come from the original: judge structure, not colour.
+        With ``norm_pix_loss`` the prediction is per-patch normalised (one mean and std over all
+        pixels and channels of a patch); it is mapped back with the true patch mean and std, as
+        MAE's visualisation of such models does. So each masked patch's overall brightness and
+        contrast come from the original, while its hue and shape are the model's.
 
         Args:
             images: (B, 3, H, W) normalised images.
