@@ -67,3 +67,23 @@ def test_unknown_format(tmp_path):
     write_ckpt(tmp_path / "mae.ckpt")
     with pytest.raises(ValueError, match="unknown export format"):
         export_checkpoint(str(tmp_path / "mae.ckpt"), "onnx", str(tmp_path / "x.pth"))
+
+
+def test_init_from_mae_release_with_decoder_continues_pretraining(tmp_path):
+    # MAE's mae_visualize_* layout: encoder under timm names, decoder under decoder_* names.
+    src = MAE(**TINY).eval()
+    names = {"embed.": "decoder_embed.", "mask_token": "mask_token",
+             "pos_embed": "decoder_pos_embed", "blocks.": "decoder_blocks.",
+             "norm.": "decoder_norm.", "pred.": "decoder_pred."}
+    release = {k.removeprefix("encoder."): v for k, v in src.state_dict().items()
+               if k.startswith("encoder.")}
+    for key, value in src.decoder.state_dict().items():
+        prefix = next(p for p in names if key.startswith(p))
+        release[names[prefix] + key[len(prefix):]] = value
+    torch.save({"model": release}, tmp_path / "mae_visualize.pth")
+    model = MAE(**TINY, init_encoder=str(tmp_path / "mae_visualize.pth")).eval()
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ours = model(images, torch.Generator().manual_seed(0))[1]
+        theirs = src(images, torch.Generator().manual_seed(0))[1]
+    torch.testing.assert_close(ours, theirs)

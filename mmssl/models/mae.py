@@ -22,12 +22,24 @@ from mmssl.models.vit import (
     MaskedViT,
     init_vit_weights,
     load_encoder,
+    read_checkpoint,
     sincos_pos_embed_2d,
 )
 from mmssl.optim import param_groups, warmup_cosine
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+# facebookresearch/mae models_mae.py names of the decoder's parameters -> MAEDecoder's.
+MAE_DECODER_NAMES = {
+    "decoder_embed.": "embed.",
+    "mask_token": "mask_token",
+    "decoder_pos_embed": "pos_embed",
+    "decoder_blocks.": "blocks.",
+    "decoder_norm.": "norm.",
+    "decoder_pred.": "pred.",
+}
 
 
 def mae_adamw(params: Any) -> torch.optim.Optimizer:
@@ -105,6 +117,35 @@ class MAEDecoder(nn.Module):
         return self.pred(self.norm(x))[:, 1:]  # (B, L, p*p*C)
 
 
+def load_decoder(decoder: MAEDecoder, path: str) -> bool:
+    """Initialise ``decoder`` from a checkpoint file that holds a decoder of the same shape.
+
+    Reads mmssl checkpoints (``decoder.*``) and MAE's releases with a decoder (the
+    ``mae_visualize_*`` files, ``decoder_*`` and ``mask_token``), so pretraining can continue.
+
+    Args:
+        decoder: the decoder to fill in place.
+        path: checkpoint file.
+
+    Returns:
+        Whether the file held a matching decoder (else ``decoder`` is left as it was).
+    """
+    state = read_checkpoint(path)
+    found = {}
+    for key, value in state.items():
+        if key.startswith("decoder."):
+            found[key.removeprefix("decoder.")] = value
+            continue
+        for ours_from, ours_to in MAE_DECODER_NAMES.items():
+            if key.startswith(ours_from):
+                found[ours_to + key[len(ours_from):]] = value
+    own = decoder.state_dict()
+    if set(found) != set(own) or any(found[k].shape != own[k].shape for k in own):
+        return False
+    decoder.load_state_dict(found)
+    return True
+
+
 class MAE(LightningModule):
     """Masked-autoencoder pretraining of a ViT.
 
@@ -124,7 +165,10 @@ class MAE(LightningModule):
         blr: base LR; when set, each group's LR becomes blr x global batch / 256 (MAE sec. A.1).
         warmup_steps: linear warm-up steps (paper: 40 of 800 epochs).
         min_lr_ratio: final LR of the cosine as a fraction of the peak (MAE: 0).
-        init_encoder: local timm / MAE-released / mmssl checkpoint to initialise the encoder.
+        init_encoder: local timm / MAE-released / mmssl checkpoint file to initialise the
+            encoder from; if it also holds a decoder of this shape (MAE's ``mae_visualize_*``
+            releases, mmssl checkpoints) that initialises the decoder, to continue pretraining.
+            ``MAE.load_from_checkpoint(..., init_encoder=None)`` skips it when the file is gone.
         image_mean: per-channel mean the data is normalised with (linked to the data module).
         image_std: per-channel std, likewise.
     """
@@ -174,6 +218,8 @@ class MAE(LightningModule):
         )
         if init_encoder:
             load_encoder(self.encoder, init_encoder)
+            if load_decoder(self.decoder, init_encoder):
+                rank_zero_info(f"MAE: decoder initialised from {init_encoder} too")
 
     # ---- named stages (MAE forward_encoder / forward_decoder / forward_loss) -------------------
 

@@ -230,18 +230,18 @@ class MaskedViT(nn.Module):
         return outputs
 
 
-def read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """Read a timm / MAE-released / mmssl checkpoint file and return the encoder's tensors.
+def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """Read the tensors of a timm / MAE-released / mmssl checkpoint file.
 
     Accepts ``.safetensors`` or ``torch.save`` files holding a bare state dict or one under
-    ``"state_dict"`` (Lightning) or ``"model"`` (MAE releases); strips ``module.`` and, for
-    Lightning checkpoints, the ``encoder.`` prefix.
+    ``"state_dict"`` (Lightning) or ``"model"`` (MAE releases), loaded with ``weights_only``;
+    strips DDP's ``module.`` prefix.
 
     Args:
         path: local file.
 
     Returns:
-        State dict with timm ViT key names.
+        The state dict as stored (keys unchanged otherwise).
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"init_encoder: no such checkpoint file: {path}")
@@ -255,7 +255,20 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
             break
-    state = {k.removeprefix("module."): v for k, v in state.items()}
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """The encoder's tensors of a checkpoint file, with timm ViT key names.
+
+    Args:
+        path: local file (see :func:`read_checkpoint`); an mmssl checkpoint's ``encoder.``
+            prefix is removed and its other modules dropped.
+
+    Returns:
+        State dict with timm ViT key names (plus any extra keys of timm / MAE files).
+    """
+    state = read_checkpoint(path)
     if any(k.startswith("encoder.") for k in state):
         state = {
             k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")
