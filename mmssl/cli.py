@@ -10,6 +10,7 @@ from typing import Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from mmssl.callbacks.summary import RunSummary
 
@@ -31,7 +32,12 @@ def _tokenizer(model: pl.LightningModule):
 
 
 class MMSSLCLI(LightningCLI):
-    """LightningCLI whose data module takes image size, normalisation and tokenizer from the model.
+    """LightningCLI with one run folder per run and model-to-data links.
+
+    ``trainer.default_root_dir`` (default ``runs``) holds ``version_N`` run folders, each with the
+    TensorBoard events, ``metrics.csv``, ``config.yaml`` and ``checkpoints/``, unless the config
+    names its own ``trainer.logger``. The data module takes image size, normalisation and
+    tokenizer from the model.
 
     Each value lives once, on the model; ``link_arguments(apply_on="instantiate")`` hands it to
     the data module, so a recipe cannot feed 224-pixel images to a 32-pixel model.
@@ -49,27 +55,39 @@ class MMSSLCLI(LightningCLI):
         parser.add_lightning_class_args(RunSummary, "summary")
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
-        trainer = super().instantiate_trainer(**kwargs)
-        # One run folder for all loggers: TensorBoard and CSV each pick the next free version_N on
-        # their own and can disagree, so every logger takes the first logger's version.
-        if len(trainer.loggers) > 1:
-            version = trainer.loggers[0].version
-            for logger in trainer.loggers[1:]:
-                if hasattr(logger, "_version"):
-                    logger._version = version
-        return trainer
+        config = self._get(self.config_init, "trainer", default={})
+        if config.get("logger") in (None, True) and "logger" not in kwargs:
+            kwargs["logger"] = default_loggers(config.get("default_root_dir") or "runs")
+        return super().instantiate_trainer(**kwargs)
 
 
-def main(args: Optional[list[str]] = None) -> MMSSLCLI:
-    """Entry point of the ``mmssl`` console script; ``args`` replaces ``sys.argv[1:]`` in tests."""
+def default_loggers(root: str) -> list:
+    """TensorBoard and CSV loggers writing into one run folder, ``{root}/version_N``.
+
+    Each logger would pick the next free ``version_N`` on its own, and they can disagree (the
+    first creates its folder before the second looks), so the CSV logger takes TensorBoard's.
+    Checkpoints and the saved config follow the first logger, so a run is one folder.
+    """
+    tensorboard = TensorBoardLogger(save_dir=root, name="")
+    return [tensorboard, CSVLogger(save_dir=root, name="", version=tensorboard.version)]
+
+
+def cli_main(args: Optional[list[str]] = None) -> MMSSLCLI:
+    """Build and run the CLI; returns it so callers (tests, tools) can reach its trainer and model."""
     return MMSSLCLI(
         model_class=pl.LightningModule,
         datamodule_class=pl.LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
+        trainer_defaults={"default_root_dir": "runs"},
         args=args,
     )
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """Entry point of the ``mmssl`` console script; ``args`` replaces ``sys.argv[1:]`` in tests."""
+    cli_main(args)
 
 
 if __name__ == "__main__":

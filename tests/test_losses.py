@@ -1,6 +1,36 @@
-import torch
+import math
 
-from mmssl.losses import mae_loss
+import torch
+import torch.nn.functional as F
+
+from mmssl.losses import clip_loss, mae_loss
+
+
+def _reference_clip_loss(img: torch.Tensor, txt: torch.Tensor, scale: float) -> float:
+    """Loop-by-loop InfoNCE, written independently of the vectorised version."""
+    n = img.shape[0]
+    total = 0.0
+    for i in range(n):
+        logits_i2t = [scale * float(img[i] @ txt[j]) for j in range(n)]
+        logits_t2i = [scale * float(txt[i] @ img[j]) for j in range(n)]
+        for logits in (logits_i2t, logits_t2i):
+            total += -(logits[i] - math.log(sum(math.exp(v) for v in logits)))
+    return total / (2 * n)
+
+
+def test_clip_loss_matches_hand_written_reference():
+    g = torch.Generator().manual_seed(0)
+    img = F.normalize(torch.randn(6, 8, generator=g), dim=-1)
+    txt = F.normalize(torch.randn(6, 8, generator=g), dim=-1)
+    loss = clip_loss(img, txt, torch.tensor(14.3))
+    assert abs(loss.item() - _reference_clip_loss(img, txt, 14.3)) < 1e-4
+
+
+def test_clip_loss_is_low_for_matching_pairs_and_high_for_shuffled():
+    img = F.normalize(torch.randn(16, 32), dim=-1)
+    matched = clip_loss(img, img, torch.tensor(100.0))
+    shuffled = clip_loss(img, img.roll(1, dims=0), torch.tensor(100.0))
+    assert matched.item() < 0.01 < shuffled.item()
 
 
 def reference_mae_loss(target, pred, mask, norm_pix_loss):

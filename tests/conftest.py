@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny shards written in the test, tiny model configs, a fast CPU setting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmssl.data.demo import DemoData, ensure_demo_data
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A CLIP small enough for a CPU test step in well under a second (the 49408-token embedding is
+# fixed by the open_clip tokenizer; everything else is tiny).
+TINY_CLIP = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+}
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    torch.set_num_threads(1)  # tests share 2 cores with data workers; oversubscription is slower
+
+
+@pytest.fixture(scope="session")
+def tiny_demo(tmp_path_factory: pytest.TempPathFactory) -> DemoData:
+    """A 96-sample demo set (64 train in 4 shards, 32 held-out in 2), 32x32 images."""
+    root = tmp_path_factory.mktemp("demo")
+    return ensure_demo_data(str(root), num_train=64, num_val=32, shard_size=16, image_size=32, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_clip_json(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Path of a JSON open_clip config for a ~1.7M-parameter CLIP (1.6M of it the token table)."""
+    path = tmp_path_factory.mktemp("models") / "clip_test_tiny.json"
+    path.write_text(json.dumps(TINY_CLIP))
+    return str(path)

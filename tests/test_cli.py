@@ -1,0 +1,78 @@
+"""The CLI end to end: each run goes through ``main([...])`` exactly as ``mmssl`` would."""
+
+import csv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mmssl.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _metrics(run: Path) -> dict[str, float]:
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    out: dict[str, float] = {}
+    for row in rows:
+        out.update({k: float(v) for k, v in row.items() if v not in ("", None)})
+    return out
+
+
+def test_help_lists_subcommands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for sub in ("fit", "validate", "test", "predict"):
+        assert sub in out
+
+
+def test_clip_demo_config_fits_end_to_end(tmp_path, tiny_demo, tiny_clip_json, capsys):
+    main([
+        "fit", "--config", str(REPO / "configs/demo/clip.yaml"),
+        f"--model.init_args.model_name={tiny_clip_json}",
+        f"--data.init_args.demo_dir={tiny_demo.root}",
+        "--data.init_args.batch_size=16", "--data.init_args.num_workers=0",
+        "--trainer.max_epochs=1", "--trainer.log_every_n_steps=1",  # 4 steps: 64 samples / 16
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+    ])
+    runs = list(tmp_path.glob("version_*"))
+    assert len(runs) == 1, runs  # TensorBoard and CSV share one run folder
+    run = runs[0]
+    assert (run / "checkpoints" / "last.ckpt").exists()
+    assert (run / "config.yaml").exists() and list(run.glob("events.out.tfevents.*"))
+    metrics = _metrics(run)
+    assert {"train/loss", "val/loss", "val/zero_shot_top1", "val/zero_shot_top5"} <= set(metrics)
+    assert 0.0 <= metrics["val/zero_shot_top1"] <= metrics["val/zero_shot_top5"] <= 1.0
+    out = capsys.readouterr().out
+    assert "run folder:" in out and "last.ckpt" in out and "val/zero_shot_top1" in out
+
+
+def test_print_config_runs_again_as_is(tmp_path, tiny_demo, tiny_clip_json, capsys):
+    common = [
+        f"--model.init_args.model_name={tiny_clip_json}",
+        f"--data.init_args.demo_dir={tiny_demo.root}",
+        "--data.init_args.batch_size=8", "--data.init_args.num_workers=0",
+    ]
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(REPO / "configs/demo/clip.yaml"), *common, "--print_config"])
+    printed = capsys.readouterr().out
+    config = yaml.safe_load(printed)
+    assert config["model"]["class_path"] == "mmssl.models.clip.CLIP"
+    assert config["data"]["init_args"]["batch_size"] == 8
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(printed)
+    main([
+        "fit", "--config", str(saved), "--trainer.max_steps=1", "--trainer.limit_val_batches=1",
+        f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]",
+        "--trainer.enable_progress_bar=false",
+    ])
+
+
+def test_bad_model_name_fails_before_training_with_the_key(tmp_path):
+    with pytest.raises(Exception, match="model.model_name"):
+        main(["fit", "--config", str(REPO / "configs/demo/clip.yaml"),
+              "--model.init_args.model_name=NoSuchModel-X", f"--trainer.default_root_dir={tmp_path}"])
