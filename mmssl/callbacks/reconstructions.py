@@ -95,6 +95,9 @@ class Reconstructions(Callback):
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_image"):  # TensorBoard
                 experiment.add_image("reconstructions", grid, global_step=trainer.global_step)
-        folder = os.path.join(trainer.log_dir or trainer.default_root_dir, "reconstructions")
+        # The first logger's folder, not trainer.log_dir: that is a broadcast, which would hang
+        # DDP when called on rank 0 alone.
+        run_dir = trainer.loggers[0].log_dir if trainer.loggers else None
+        folder = os.path.join(run_dir or trainer.default_root_dir, "reconstructions")
         os.makedirs(folder, exist_ok=True)
         save_image(grid, os.path.join(folder, f"step_{trainer.global_step:06d}.png"))

@@ -52,11 +52,12 @@ class RunSummary(pl.Callback):
                                            for k, v in info.items()), flush=True)
 
     def _report(self, trainer: pl.Trainer, what: str) -> None:
+        log_dir = trainer.log_dir  # a broadcast under DDP: every rank must take part
         if not trainer.is_global_zero:
             return
         lines = [f"\nmmssl {what} finished after {trainer.global_step} steps."]
-        if trainer.log_dir:
-            lines.append(f"  run folder:  {trainer.log_dir}")
+        if log_dir:
+            lines.append(f"  run folder:  {log_dir}")
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and getattr(ckpt, "last_model_path", ""):
             lines.append(f"  checkpoint:  {ckpt.last_model_path}")
