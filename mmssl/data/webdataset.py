@@ -174,7 +174,8 @@ class ImageTextDataModule(pl.LightningDataModule):
             return batch
         worker, raw, skipped = (int(batch.pop(k)) for k in META_KEYS)
         trainer = self.trainer
-        if trainer is None or trainer.training:
+        # Without a trainer (tests, tools), a started training position tells a training batch.
+        if (trainer.training if trainer is not None else bool(self.position.batches)):
             self.position.update(worker, raw, skipped)
             if trainer is not None:
                 self._log_skipped(trainer)

@@ -6,7 +6,6 @@ import io
 from collections import Counter
 
 import pytest
-import torch
 from PIL import Image
 from shard_helpers import count_tokenizer, write_dataset
 
@@ -141,11 +140,3 @@ def test_large_jpeg_decodes_at_reduced_size():
     image = open_image(buf.getvalue(), min_size=64)
     assert image.size == (128, 96)  # 1/4 scale: the largest reduction keeping both sides >= 64
     assert open_image(buf.getvalue()).size == (512, 384)
-
-
-def test_demo_mode_still_uses_the_demo_set(tiny_demo):
-    module = ImageTextDataModule(batch_size=16, num_workers=0, image_size=32, demo_dir=tiny_demo.root)
-    module.setup("fit")
-    assert module.eval_data == tiny_demo.eval_dir
-    batch = next(iter(module.train_dataloader()))
-    assert batch["image"].shape == (16, 3, 32, 32) and torch.is_tensor(batch["label"])
