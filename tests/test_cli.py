@@ -76,3 +76,15 @@ def test_bad_model_name_fails_before_training_with_the_key(tmp_path):
     with pytest.raises(Exception, match="model.model_name"):
         main(["fit", "--config", str(REPO / "configs/demo/clip.yaml"),
               "--model.init_args.model_name=NoSuchModel-X", f"--trainer.default_root_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("name", ["ddp", "ddp_cpu", "fsdp"])
+def test_trainer_configs_stack_onto_a_recipe(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / "configs/demo/clip.yaml"),
+              "--config", str(REPO / f"configs/trainer/{name}.yaml"), "--print_config"])
+    assert exit_info.value.code == 0
+    trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
+    expected = "FSDPStrategy" if name == "fsdp" else "DDPStrategy"
+    assert trainer["strategy"]["class_path"].endswith(expected)
+    assert trainer["default_root_dir"] == "runs/demo_clip"  # the recipe's values survive

@@ -1,96 +1,75 @@
 """ImageTextDataModule: image-text webdataset shards (img2dataset layout) for every model.
 
-The pipeline reads as a list of named steps, like open_clip's ``get_wds_dataset``: shard list ->
-split -> tar expansion -> shuffle -> decode -> transform/tokenise -> batch. Training streams
-resampled shards with an explicit epoch length (open_clip's ``--dataset-resampled``), so every rank
-yields the same number of batches and DDP never waits on a rank that ran dry.
+The pipeline is built from named steps (open_clip's ``get_wds_dataset``): sources
+(:mod:`mmssl.data.sources`) -> split and epoch plan (:func:`~mmssl.data.pipeline.plan_stream`) ->
+tar expansion -> shuffle of raw bytes -> late decode and tokenisation in the workers
+(:mod:`mmssl.data.decode`) -> batch. The position in the stream is checkpointed
+(:mod:`mmssl.data.state`), so a run resumes mid-epoch.
+
+Resume guarantee: a checkpoint written after the model has taken batch ``k`` of an epoch (e.g.
+``ModelCheckpoint(every_n_train_steps=...)``, saved at the end of that step) records, per worker,
+the batches served and the raw samples consumed for them. Resumed with the same shards, seed,
+batch size, number of ranks and workers, each rank yields exactly the batches ``k+1, k+2, ...``
+that the uninterrupted run would have yielded, in the same order: nothing repeated, nothing
+skipped. Batches that were prefetched by the loader but not handed to the model when the
+checkpoint was written are produced again (they were never trained on). With a different number
+of ranks or workers the epoch restarts from its beginning, with a warning.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
-import braceexpand
 import lightning.pytorch as pl
 import torch
-import webdataset as wds
-from torch.utils.data import DataLoader, default_collate
 
-from mmssl.data.demo import ensure_demo_data
+from mmssl.data.decode import SampleDecoder, draft_size
+from mmssl.data.demo import demo_data
+from mmssl.data.pipeline import META_KEYS, ShardStream, plan_stream
+from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources
+from mmssl.data.state import EpochLoader, StreamPosition
 from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD, eval_transform, train_transform
 
-
-def expand_urls(pattern: str) -> list[str]:
-    """Expand a shard spec into URLs.
-
-    Args:
-        pattern: brace pattern (``data/{00000..00099}.tar``), several joined with ``::``, or a
-            folder (every ``*.tar`` inside, sorted).
-
-    Returns:
-        The list of shard URLs.
-    """
-    urls: list[str] = []
-    for part in pattern.split("::"):
-        if os.path.isdir(part):
-            found = sorted(os.path.join(part, f) for f in os.listdir(part) if f.endswith(".tar"))
-            if not found:
-                raise FileNotFoundError(f"no .tar shards in folder {part!r}")
-            urls += found
-        else:
-            urls += list(braceexpand.braceexpand(part))
-    return urls
-
-
-def count_samples(urls: Sequence[str]) -> Optional[int]:
-    """Number of samples from the ``sizes.json`` beside the shards (open_clip's convention).
-
-    Returns:
-        The total, or ``None`` if any shard's folder has no ``sizes.json`` entry for it.
-    """
-    total, cache = 0, {}
-    for url in urls:
-        folder, name = os.path.split(url)
-        if folder not in cache:
-            path = os.path.join(folder, "sizes.json")
-            cache[folder] = json.load(open(path)) if os.path.exists(path) else {}
-        if name not in cache[folder]:
-            return None
-        total += int(cache[folder][name])
-    return total
+__all__ = ["ImageTextDataModule", "count_samples", "expand_urls"]
 
 
 class ImageTextDataModule(pl.LightningDataModule):
     """Image-text pairs from webdataset shards; the embedded demo set when ``train_data`` is unset.
 
     Args:
-        train_data: training shards (brace pattern, ``::``-joined list, or folder).
-        val_data: validation shards; defaults to the demo's held-out split in demo mode.
+        train_data: training shards: brace pattern, ``::``-joined specs, folder, URL or ``pipe:``,
+            a list of these, or a list of ``{data: SPEC, weight: W}`` to mix sources by weight
+            (resampled mode).
+        val_data: validation shards, same forms; the demo's held-out split in demo mode.
         batch_size: samples per device per step.
         num_workers: loader worker processes per device.
-        train_num_samples: samples per epoch; read from ``sizes.json`` when unset.
+        resampled: draw shards with replacement (infinite stream, nominal epoch) instead of exact
+            epochs; needed when there are fewer shards than ranks x workers, or to weight sources.
+        train_num_samples: samples per epoch in resampled mode; read from ``sizes.json`` if unset.
         image_size: model input side (linked from the model by the CLI).
         image_mean: normalisation mean (linked from the model).
         image_std: normalisation std (linked from the model).
         tokenizer: text tokenizer (linked from the model); ``None`` yields images only (MAE).
         image_key: sample extensions holding the image, ``;``-separated alternatives.
         text_key: sample extension holding the caption.
+        label_key: sample extension holding an integer class (optional per sample).
         crop_scale: RandomResizedCrop area range for training.
         hflip: random horizontal flip in training.
-        shuffle_buffer: samples in the (pre-decode) shuffle buffer.
-        seed: seed of shard resampling and shuffling.
+        shuffle_buffer: raw samples in the (pre-decode) shuffle buffer of each worker.
+        seed: seed of shard order and shuffling; streams derive from (seed, epoch, rank, worker).
+        max_bad_fraction: stop when a worker finds more than this fraction of its samples bad.
+        reduced_decode: decode large JPEGs at reduced size (Pillow ``draft``) when the model
+            input is much smaller.
         demo_dir: cache folder of the embedded demo data.
     """
 
     def __init__(
         self,
-        train_data: Optional[str] = None,
-        val_data: Optional[str] = None,
+        train_data: Optional[DataSpec] = None,
+        val_data: Optional[DataSpec] = None,
         batch_size: int = 64,
         num_workers: int = 4,
+        resampled: bool = False,
         train_num_samples: Optional[int] = None,
         image_size: int = 224,
         image_mean: Sequence[float] = OPENAI_MEAN,
@@ -98,10 +77,13 @@ class ImageTextDataModule(pl.LightningDataModule):
         tokenizer: Optional[Callable] = None,
         image_key: str = "jpg;jpeg;png;webp",
         text_key: str = "txt",
+        label_key: str = "cls",
         crop_scale: tuple[float, float] = (0.9, 1.0),
         hflip: bool = False,
         shuffle_buffer: int = 1000,
         seed: int = 0,
+        max_bad_fraction: float = 0.1,
+        reduced_decode: bool = True,
         demo_dir: Optional[str] = None,
     ) -> None:
         super().__init__()
@@ -109,106 +91,119 @@ class ImageTextDataModule(pl.LightningDataModule):
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+        if not 0.0 <= max_bad_fraction <= 1.0:
+            raise ValueError(f"data.max_bad_fraction must be in [0, 1], got {max_bad_fraction}")
         self.train_data, self.val_data = train_data, val_data
         self.batch_size, self.num_workers = batch_size, num_workers
-        self.train_num_samples = train_num_samples
+        self.resampled, self.train_num_samples = resampled, train_num_samples
         self.image_size, self.image_mean, self.image_std = image_size, image_mean, image_std
         self.tokenizer = tokenizer
-        self.image_key, self.text_key = image_key, text_key
+        self.image_key, self.text_key, self.label_key = image_key, text_key, label_key
         self.crop_scale, self.hflip = crop_scale, hflip
-        self.shuffle_buffer, self.seed, self.demo_dir = shuffle_buffer, seed, demo_dir
+        self.shuffle_buffer, self.seed = shuffle_buffer, seed
+        self.max_bad_fraction, self.reduced_decode, self.demo_dir = max_bad_fraction, reduced_decode, demo_dir
         self.eval_data: Optional[str] = None  # labelled held-out folder, set in demo mode
+        self.position = StreamPosition()
 
     def prepare_data(self) -> None:
         if self.train_data is None:
-            ensure_demo_data(self.demo_dir)  # generated once per node, before setup on all ranks
+            demo_data(self.demo_dir)  # generated once per node, before setup on all ranks
 
     def setup(self, stage: str) -> None:
         if self.train_data is None:
-            demo = ensure_demo_data(self.demo_dir)
+            demo = demo_data(self.demo_dir)
             self.train_data = demo.train
             self.val_data = self.val_data or demo.val
             self.eval_data = demo.eval_dir
 
-    # Pipeline steps -----------------------------------------------------------------------------
+    # Pipeline -----------------------------------------------------------------------------------
 
-    def _to_sample(self, transform: Callable) -> Callable[[dict], dict]:
-        return _SampleMaker(transform, self.tokenizer, self.image_key, self.text_key)
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
-    def _world(self) -> int:
-        return self.trainer.world_size if self.trainer is not None else 1
+    def _decoder(self, train: bool) -> SampleDecoder:
+        if train:
+            transform = train_transform(self.image_size, self.image_mean, self.image_std, self.crop_scale, self.hflip)
+        else:
+            transform = eval_transform(self.image_size, self.image_mean, self.image_std)
+        min_size = draft_size(self.image_size, self.crop_scale[0] if train else 1.0) if self.reduced_decode else None
+        return SampleDecoder(transform, self.tokenizer, self.image_key.split(";"), self.text_key,
+                             self.label_key, min_size)
 
-    def train_dataloader(self) -> DataLoader:
-        urls = expand_urls(self.train_data)
-        num_samples = self.train_num_samples or count_samples(urls)
-        if not num_samples:
-            raise ValueError(
-                f"data.train_num_samples is unset and no sizes.json lists the shards of "
-                f"{self.train_data!r}: set data.train_num_samples to the number of samples per epoch"
-            )
-        global_batch = self.batch_size * self._world()
-        workers = max(1, self.num_workers)
-        batches_per_worker = math.ceil(math.ceil(num_samples / global_batch) / workers)
-        transform = train_transform(
-            self.image_size, self.image_mean, self.image_std, self.crop_scale, self.hflip
+    def build_stream(self, data: DataSpec, train: bool, rank: int = 0, world_size: int = 1) -> ShardStream:
+        """The dataset of one rank (tests pass ``rank``/``world_size`` to simulate ranks).
+
+        Args:
+            data: shard spec (``train_data`` or ``val_data``).
+            train: training stream (shuffled, equal length on every rank) or validation.
+            rank: global rank.
+            world_size: number of processes.
+
+        Returns:
+            The :class:`ShardStream`.
+        """
+        spec = plan_stream(
+            parse_sources(data), self.batch_size, rank, world_size, max(1, self.num_workers),
+            resampled=self.resampled and train, train=train, num_samples=self.train_num_samples,
+            seed=self.seed, shuffle_buffer=self.shuffle_buffer, max_bad_fraction=self.max_bad_fraction,
         )
-        pipeline = wds.DataPipeline(
-            # Resampled shards, seeded per (seed, rank, worker, epoch): an endless stream per worker.
-            wds.ResampledShards(urls, seed=self.seed, deterministic=True),
-            wds.tarfile_to_samples(handler=wds.warn_and_continue),
-            wds.shuffle(self.shuffle_buffer),  # shuffle raw bytes, decode late
-            wds.decode("pil", handler=wds.warn_and_continue),
-            wds.map(self._to_sample(transform), handler=wds.warn_and_continue),
-            wds.batched(self.batch_size, partial=False, collation_fn=default_collate),
-        ).with_epoch(batches_per_worker)
-        return self._loader(pipeline, batches_per_worker * workers, persistent=True)
+        return ShardStream(spec, self._decoder(train))
 
-    def val_dataloader(self) -> Optional[DataLoader]:
+    def _current_epoch(self) -> Optional[int]:
+        return self.trainer.current_epoch if self.trainer is not None else None
+
+    def train_dataloader(self) -> EpochLoader:
+        rank, world = self._rank_world()
+        stream = self.build_stream(self.train_data, True, rank, world)
+        return EpochLoader(stream, self._current_epoch, self.position, num_workers=self.num_workers,
+                           pin_memory=torch.cuda.is_available())
+
+    def val_dataloader(self) -> Union[EpochLoader, list]:
         if not self.val_data:
             return []
-        transform = eval_transform(self.image_size, self.image_mean, self.image_std)
-        pipeline = wds.DataPipeline(
-            wds.SimpleShardList(expand_urls(self.val_data)),
-            wds.split_by_node,
-            wds.split_by_worker,
-            wds.tarfile_to_samples(handler=wds.warn_and_continue),
-            wds.decode("pil", handler=wds.warn_and_continue),
-            wds.map(self._to_sample(transform), handler=wds.warn_and_continue),
-            wds.batched(self.batch_size, partial=True, collation_fn=default_collate),
-        )
-        return self._loader(pipeline, None, persistent=False)
+        rank, world = self._rank_world()
+        stream = self.build_stream(self.val_data, False, rank, world)
+        return EpochLoader(stream, num_workers=self.num_workers, pin_memory=torch.cuda.is_available())
 
-    def _loader(self, pipeline: wds.DataPipeline, length: Optional[int], persistent: bool) -> Any:
-        if length is not None:
-            pipeline = pipeline.with_length(length, silent=True)  # Lightning's progress bar and LR schedule
-        return DataLoader(
-            pipeline,
-            batch_size=None,  # batched inside the pipeline, per worker
-            num_workers=self.num_workers,
-            # Persistent workers keep ResampledShards' epoch counter, so each epoch draws anew.
-            persistent_workers=persistent and self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
+    # Position, counts and checkpoint ------------------------------------------------------------
 
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Strip the stream metadata; in training, advance the position and log ``data/skipped``."""
+        if not isinstance(batch, dict) or "__worker__" not in batch:
+            return batch
+        worker, raw, skipped = (int(batch.pop(k)) for k in META_KEYS)
+        trainer = self.trainer
+        # Without a trainer (tests, tools), a started training position tells a training batch.
+        if (trainer.training if trainer is not None else bool(self.position.batches)):
+            self.position.update(worker, raw, skipped)
+            if trainer is not None:
+                self._log_skipped(trainer)
+        return batch
 
-class _SampleMaker:
-    """Decoded webdataset sample -> ``{"image", "text"?, "label"?}`` (a class, so it pickles)."""
+    def _log_skipped(self, trainer: pl.Trainer) -> None:
+        # Every rank reaches the same batch count in lockstep, so the reduction is safe here; the
+        # Lightning module's `log` is not allowed in batch-transfer hooks, so write to the loggers.
+        if sum(self.position.batches) % max(1, trainer.log_every_n_steps) != 0:
+            return
+        total = torch.tensor(float(self.position.skipped))
+        if trainer.world_size > 1:
+            total = trainer.strategy.reduce(total.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+        for logger in trainer.loggers:
+            logger.log_metrics({"data/skipped": float(total)}, step=trainer.global_step)
 
-    def __init__(self, transform: Callable, tokenizer: Optional[Callable], image_key: str, text_key: str):
-        self.transform, self.tokenizer = transform, tokenizer
-        self.image_keys = image_key.split(";")
-        self.text_key = text_key
+    def state_dict(self) -> dict[str, Any]:
+        """The training stream's position (see the module docstring for the resume guarantee)."""
+        trainer = self.trainer
+        raw_per_rank = None
+        if trainer is not None and trainer.world_size > 1:
+            # Called on every rank while the checkpoint is dumped; each rank's workers consumed
+            # different raw counts, so gather them all (rank 0 writes the file).
+            raw = torch.tensor(self.position.raw, device=trainer.strategy.root_device)
+            raw_per_rank = trainer.strategy.all_gather(raw).cpu().tolist()
+        return {"position": self.position.state_dict(raw_per_rank), "seed": self.seed}
 
-    def __call__(self, sample: dict) -> dict:
-        image = next((sample[k] for k in self.image_keys if k in sample), None)
-        if image is None:
-            raise KeyError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')!r} has no image ({self.image_keys})")
-        out = {"image": self.transform(image)}
-        if self.tokenizer is not None:
-            text = sample.get(self.text_key)
-            if not text:
-                raise KeyError(f"sample {sample.get('__key__')!r} in {sample.get('__url__')!r} has no caption {self.text_key!r}")
-            out["text"] = self.tokenizer([text])[0]
-        if "cls" in sample:
-            out["label"] = int(sample["cls"])
-        return out
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the position saved by :meth:`state_dict` for this rank."""
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        self.position.load_state_dict(state_dict["position"], rank)

@@ -1,0 +1,166 @@
+"""Write and check webdataset shards (img2dataset layout); ``tools/make_shards.py`` and
+``tools/inspect_shards.py`` are thin command lines over these functions.
+
+Shards hold ``{key}.jpg|png`` (or the original bytes), ``{key}.txt`` and, when labelled,
+``{key}.cls``; a ``sizes.json`` beside them lists samples per shard (open_clip's convention),
+which exact-epoch training needs.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import Iterable, Optional
+
+import webdataset as wds
+from PIL import Image
+from tqdm import tqdm
+
+from mmssl.data.decode import BadSample, SampleDecoder
+from mmssl.data.sources import expand_urls
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+
+
+def folder_items(root: str, template: str = "a photo of a {c}.") -> tuple[list[tuple[str, str, int]], list[str]]:
+    """Samples of an image folder with one sub-folder per class.
+
+    Args:
+        root: the folder.
+        template: caption template, ``{c}`` replaced by the class name (folder name, ``_`` -> space).
+
+    Returns:
+        ``(path, caption, label)`` per image, and the class names in label order.
+    """
+    classes = sorted(d.name for d in Path(root).iterdir() if d.is_dir())
+    if not classes:
+        raise FileNotFoundError(f"{root!r} has no class sub-folders")
+    names = [c.replace("_", " ") for c in classes]
+    items = [(str(p), template.format(c=names[label]), label)
+             for label, c in enumerate(classes)
+             for p in sorted((Path(root) / c).iterdir()) if p.suffix.lower() in IMAGE_EXTENSIONS]
+    return items, names
+
+
+def table_items(path: str) -> list[tuple[str, str, Optional[int]]]:
+    """Samples of a CSV/TSV with columns ``path,caption[,label]`` (header optional).
+
+    Relative image paths are taken from the table's folder.
+    """
+    delimiter = "\t" if path.endswith((".tsv", ".tab")) else ","
+    base = os.path.dirname(os.path.abspath(path))
+    items = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for i, row in enumerate(csv.reader(f, delimiter=delimiter)):
+            if i == 0 and row and row[0].strip().lower() in ("path", "image", "filepath"):
+                continue
+            if len(row) < 2:
+                raise ValueError(f"{path}:{i + 1}: expected path,caption[,label], got {row}")
+            label = int(row[2]) if len(row) > 2 and row[2].strip() else None
+            items.append((os.path.join(base, row[0]), row[1], label))
+    return items
+
+
+def _encode(path: str, resize: Optional[int]) -> tuple[str, bytes]:
+    """Image file -> (extension, bytes); resized so the short side is ``resize`` when set."""
+    ext = Path(path).suffix.lower().lstrip(".")
+    if resize is None and ext in ("jpg", "jpeg", "png", "webp"):
+        return ext, Path(path).read_bytes()  # stored as is: no re-encoding loss
+    image = Image.open(path).convert("RGB")
+    if resize is not None:
+        scale = resize / min(image.size)
+        if scale < 1:
+            image = image.resize((round(image.width * scale), round(image.height * scale)), Image.BICUBIC)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=95)
+    return "jpg", buf.getvalue()
+
+
+def write_shards(
+    items: Iterable[tuple[str, str, Optional[int]]],
+    output: str,
+    shard_size: int = 10000,
+    resize: Optional[int] = None,
+    prefix: str = "",
+    total: Optional[int] = None,
+) -> dict[str, int]:
+    """Write samples to ``output/{prefix}{00000..}.tar`` and ``output/sizes.json``.
+
+    Args:
+        items: ``(image path, caption, label or None)``.
+        output: output folder (created).
+        shard_size: samples per shard.
+        resize: short side to shrink larger images to (JPEG re-encode); ``None`` keeps the bytes.
+        prefix: shard file name prefix.
+        total: number of items, for the progress bar.
+
+    Returns:
+        Samples per shard file name (what ``sizes.json`` holds).
+    """
+    os.makedirs(output, exist_ok=True)
+    pattern = os.path.join(output, f"{prefix}%05d.tar")
+    sizes: dict[str, int] = {}
+    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, format=tarfile.USTAR_FORMAT) as sink:
+        for i, (path, text, label) in enumerate(tqdm(items, total=total, desc="writing shards", unit="img")):
+            ext, data = _encode(path, resize)
+            sample = {"__key__": f"{i:09d}", ext: data, "txt": text}
+            if label is not None:
+                sample["cls"] = str(label)
+            sink.write(sample)
+            name = os.path.basename(sink.fname)
+            sizes[name] = sizes.get(name, 0) + 1
+    Path(output, "sizes.json").write_text(json.dumps(sizes, indent=1))
+    return sizes
+
+
+def inspect_shards(
+    data: str, decoder: Optional[SampleDecoder] = None, show: int = 3
+) -> tuple[int, list[str], list[dict]]:
+    """Read every sample of some shards, validating each.
+
+    Args:
+        data: shard spec (pattern, folder, ...).
+        decoder: how samples are checked; default: image decodes, caption is non-empty UTF-8,
+            ``cls`` is an integer.
+        show: how many good samples to return for printing.
+
+    Returns:
+        ``(good count, problems, first samples)``; problems are one line each naming shard and key.
+    """
+    decoder = decoder or SampleDecoder(_identity, tokenizer=list)
+    problems: list[str] = []
+    shown: list[dict] = []
+    good = 0
+
+    def on_error(url: str, exn: Exception) -> bool:
+        problems.append(f"{url}: unreadable ({type(exn).__name__}: {exn.args[0] if exn.args else ''})")
+        return True
+
+    urls = expand_urls(data)
+    for url in tqdm(urls, desc="checking shards", unit="shard"):
+        for sample in wds.tarfile_samples([{"url": url}], handler=lambda e, u=url: on_error(u, e)):
+            try:
+                decoder(sample)
+            except BadSample as exn:
+                problems.append(f"{url} {sample.get('__key__')!r}: {exn}")
+                continue
+            good += 1
+            if len(shown) < show:
+                shown.append(_summary(sample))
+    return good, problems, shown
+
+
+def _summary(sample: dict) -> dict:
+    out = {"key": sample["__key__"], "url": sample["__url__"]}
+    for k, v in sample.items():
+        if not k.startswith("__"):
+            out[k] = v.decode("utf-8", "replace")[:80] if k in ("txt", "cls", "json") else f"{len(v)} bytes"
+    return out
+
+
+def _identity(image):  # the default check decodes the image and keeps it as is
+    return image

@@ -1,0 +1,163 @@
+"""Shard sources: what users type in ``data.train_data`` / ``data.val_data`` -> lists of shard URLs.
+
+Accepted specs:
+
+- a brace pattern, ``data/{00000..00099}.tar`` (expanded with ``braceexpand``, as webdataset and
+  open_clip do);
+- several specs joined with ``::`` (open_clip's ``--train-data`` convention), concatenated;
+- a folder: every ``*.tar`` inside, sorted;
+- any URL or ``pipe:`` command that webdataset's ``gopen`` opens (``pipe:aws s3 cp ... -``);
+- a YAML list of any of these: one source made of all of them;
+- a YAML list of mappings ``{data: SPEC, weight: W}``: weighted mixing of several sources, drawn
+  in proportion to ``W`` (resampled mode only; exact epochs read every sample once and so cannot
+  weight).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import braceexpand
+from webdataset.tariterators import base_plus_ext
+
+# What the config accepts; jsonargparse validates against this.
+DataSpec = Union[str, list[Union[str, dict[str, Any]]]]
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source of shards.
+
+    Attributes:
+        urls: its shard URLs.
+        weight: relative share of the mix (resampled mode).
+        spec: what the user wrote, for error messages.
+    """
+
+    urls: tuple[str, ...]
+    weight: float = 1.0
+    spec: str = ""
+
+
+def is_local(url: str) -> bool:
+    """Whether ``url`` is a local path (not ``pipe:``, not ``scheme://``)."""
+    return not url.startswith("pipe:") and "://" not in url and not url.startswith("file:")
+
+
+def expand_urls(pattern: Union[str, Sequence[str]]) -> list[str]:
+    """Expand a shard spec into URLs.
+
+    Args:
+        pattern: brace pattern (``data/{00000..00099}.tar``), several joined with ``::``, a
+            folder (every ``*.tar`` inside, sorted), a URL or ``pipe:`` command, or a list of these.
+
+    Returns:
+        The list of shard URLs, in the order given.
+
+    Raises:
+        FileNotFoundError: a folder holds no ``.tar`` shard, or a local shard does not exist.
+    """
+    parts = [pattern] if isinstance(pattern, str) else list(pattern)
+    urls: list[str] = []
+    for spec in parts:
+        for part in spec.split("::"):
+            part = part.strip()
+            if not part:
+                continue
+            if is_local(part) and os.path.isdir(part):
+                found = sorted(os.path.join(part, f) for f in os.listdir(part) if f.endswith(".tar"))
+                if not found:
+                    raise FileNotFoundError(
+                        f"no .tar shards in folder {part!r} (looked for {os.path.join(part, '*.tar')}); "
+                        "write some with tools/make_shards.py or point data.train_data at a brace pattern"
+                    )
+                urls += found
+            else:
+                urls += list(braceexpand.braceexpand(part))
+    missing = [u for u in urls if is_local(u) and not os.path.exists(u)]
+    if missing:
+        raise FileNotFoundError(
+            f"{len(missing)} of {len(urls)} shards of {pattern!r} do not exist, e.g. {missing[:3]}"
+        )
+    if not urls:
+        raise FileNotFoundError(f"shard spec {pattern!r} names no shard")
+    return urls
+
+
+def parse_sources(spec: DataSpec) -> list[Source]:
+    """Turn a ``train_data`` value into sources.
+
+    Args:
+        spec: a string or list of strings (one source), or a list of ``{data, weight}`` mappings
+            (one source each, mixed by weight).
+
+    Returns:
+        The sources, each with its expanded URLs.
+    """
+    if isinstance(spec, str):
+        return [Source(tuple(expand_urls(spec)), 1.0, spec)]
+    items = list(spec)
+    if all(isinstance(item, str) for item in items):
+        return [Source(tuple(expand_urls(items)), 1.0, "::".join(items))]
+    sources = []
+    for item in items:
+        if isinstance(item, str):
+            item = {"data": item}
+        unknown = set(item) - {"data", "weight"}
+        if "data" not in item or unknown:
+            raise ValueError(f"a weighted source is {{data: SHARDS, weight: W}}; got {item!r}")
+        weight = float(item.get("weight", 1.0))
+        if weight <= 0:
+            raise ValueError(f"source {item['data']!r}: weight must be > 0, got {weight}")
+        sources.append(Source(tuple(expand_urls(item["data"])), weight, str(item["data"])))
+    return sources
+
+
+def _count_tar(path: str) -> int:
+    """Samples (distinct keys, webdataset's grouping) in a local tar, reading headers only."""
+    keys = set()
+    with tarfile.open(path) as tar:
+        for member in tar:
+            if member.isreg() and not os.path.basename(member.name).startswith("__"):
+                key, _ = base_plus_ext(member.name)
+                if key is not None:
+                    keys.add(key)
+    return len(keys)
+
+
+def shard_sizes(urls: Sequence[str], scan: bool = True) -> Optional[list[int]]:
+    """Samples per shard, from the ``sizes.json`` beside the shards (open_clip's convention).
+
+    Args:
+        urls: shard URLs.
+        scan: count the samples of local shards that no ``sizes.json`` lists (headers only).
+
+    Returns:
+        One count per URL, or ``None`` when some shard is neither listed nor countable.
+    """
+    sizes, cache = [], {}
+    for url in urls:
+        folder, name = os.path.split(url)
+        if folder not in cache:
+            path = os.path.join(folder, "sizes.json")
+            cache[folder] = json.load(open(path)) if is_local(url) and os.path.exists(path) else {}
+        if name in cache[folder]:
+            sizes.append(int(cache[folder][name]))
+        elif scan and is_local(url):
+            try:
+                sizes.append(_count_tar(url))
+            except (tarfile.TarError, OSError):
+                sizes.append(0)  # unreadable: the stream will skip and count it
+        else:
+            return None
+    return sizes
+
+
+def count_samples(urls: Sequence[str]) -> Optional[int]:
+    """Total samples of ``urls`` from ``sizes.json`` files (no scanning); ``None`` if unlisted."""
+    sizes = shard_sizes(urls, scan=False)
+    return None if sizes is None else sum(sizes)

@@ -1,0 +1,142 @@
+"""The shard stream: splitting, equal lengths, determinism, resume, mixing, reduced decode."""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+import pytest
+from PIL import Image
+from shard_helpers import count_tokenizer, write_dataset
+
+from mmssl.data.decode import open_image
+from mmssl.data.pipeline import worker_batches
+from mmssl.data.webdataset import ImageTextDataModule
+
+
+def _module(data, **kwargs) -> ImageTextDataModule:
+    defaults = dict(batch_size=2, num_workers=2, image_size=8, shuffle_buffer=8, tokenizer=count_tokenizer)
+    return ImageTextDataModule(train_data=data, **{**defaults, **kwargs})
+
+
+def _labels(batches) -> list[int]:
+    return [int(x) for b in batches for x in b["label"]]
+
+
+def _rank_streams(module, data, world):
+    """Per (rank, worker): the labels it yields in epoch 0, simulating ranks without processes."""
+    out = {}
+    for rank in range(world):
+        stream = module.build_stream(data, True, rank, world)
+        for worker in range(stream.spec.workers):
+            out[rank, worker] = list(worker_batches(stream.spec, stream.decoder, 0, worker))
+    return out
+
+
+def test_exact_mode_splits_without_overlap_and_covers_everything(tmp_path):
+    every = write_dataset(tmp_path, [7, 5, 4, 3, 3, 2])  # uneven shards, 24 samples
+    module = _module(str(tmp_path))
+    streams = _rank_streams(module, str(tmp_path), world=2)
+    counts = {slot: len(batches) for slot, batches in streams.items()}
+    assert len(set(counts.values())) == 1, counts  # every worker, so every rank: same batch count
+    owners: dict[int, set] = {}
+    for slot, batches in streams.items():
+        assert all(b["image"].shape == (2, 3, 8, 8) for b in batches)  # full batches only
+        for label in _labels(batches):
+            owners.setdefault(label, set()).add(slot)
+    assert sorted(owners) == every  # full coverage
+    assert all(len(slots) == 1 for slots in owners.values())  # no sample read by two readers
+    stream = module.build_stream(str(tmp_path), True, 0, 2)
+    assert len(stream) == counts[0, 0] * 2  # the loader's length matches what is yielded
+
+
+def test_exact_mode_with_too_few_shards_points_to_resampled(tmp_path):
+    write_dataset(tmp_path, [4, 4, 4])
+    with pytest.raises(ValueError, match="resampled=true"):
+        _module(str(tmp_path)).build_stream(str(tmp_path), True, rank=0, world_size=2)
+
+
+def test_resampled_mode_has_nominal_length_on_every_rank(tmp_path):
+    write_dataset(tmp_path, [4, 4, 4])
+    module = _module(str(tmp_path), resampled=True, train_num_samples=40)
+    streams = _rank_streams(module, str(tmp_path), world=2)
+    assert {len(b) for b in streams.values()} == {5}  # ceil(40 / (2 ranks x 2 workers x 2))
+
+
+def test_same_config_gives_same_stream_and_epochs_differ(tmp_path):
+    write_dataset(tmp_path, [6, 6, 6, 6])
+    module = _module(str(tmp_path))
+    stream = module.build_stream(str(tmp_path), True)
+    first = _labels(worker_batches(stream.spec, stream.decoder, 0, 1))
+    again = _labels(worker_batches(module.build_stream(str(tmp_path), True).spec, stream.decoder, 0, 1))
+    other_epoch = _labels(worker_batches(stream.spec, stream.decoder, 1, 1))
+    assert first == again
+    assert first != other_epoch and sorted(first) == sorted(other_epoch)
+
+
+def _through_module(module, loader, limit=None):
+    out = []
+    for batch in loader:
+        out.append(_labels([module.on_before_batch_transfer(batch, 0)]))
+        assert not any(k.startswith("__") for k in batch)  # metadata never reaches the model
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+def test_resume_mid_epoch_continues_with_the_remainder(tmp_path):
+    write_dataset(tmp_path, [5, 4, 6, 3])
+    full_module = _module(str(tmp_path))
+    full = _through_module(full_module, full_module.train_dataloader())
+    assert len(full) == len(full_module.train_dataloader())
+    interrupted = _module(str(tmp_path))
+    head = _through_module(interrupted, interrupted.train_dataloader(), limit=3)
+    state = interrupted.state_dict()
+    resumed = _module(str(tmp_path))
+    resumed.load_state_dict(state)
+    tail = _through_module(resumed, resumed.train_dataloader())
+    assert head + tail == full
+    # The epoch after the resumed one starts afresh, as in an uninterrupted run.
+    assert len(_through_module(resumed, resumed.train_dataloader())) == len(full)
+
+
+def test_weighted_sources_are_mixed_by_weight(tmp_path):
+    write_dataset(tmp_path / "a", [1] * 4, label=0)  # one-sample shards: 400 draws
+    write_dataset(tmp_path / "b", [1] * 4, label=1)
+    data = [{"data": str(tmp_path / "a"), "weight": 3.0}, {"data": str(tmp_path / "b"), "weight": 1.0}]
+    module = _module(data, resampled=True, train_num_samples=400, num_workers=0, batch_size=8)
+    stream = module.build_stream(data, True)
+    labels = _labels(worker_batches(stream.spec, stream.decoder, 0, 0))
+    assert len(labels) == 400
+    assert 0.65 < Counter(labels)[0] / len(labels) < 0.85  # 3:1 -> 0.75
+
+
+def test_weights_in_exact_mode_fail_clearly(tmp_path):
+    write_dataset(tmp_path / "a", [2])
+    with pytest.raises(ValueError, match="resampled=true"):
+        _module(None).build_stream([{"data": str(tmp_path / "a"), "weight": 2}], True)
+
+
+def test_sources_as_list_brace_and_double_colon(tmp_path):
+    write_dataset(tmp_path, [2, 2, 2, 2])
+    module = _module(None, num_workers=0)
+    for spec in (f"{tmp_path}/{{00000..00003}}.tar", [f"{tmp_path}/00000.tar", f"{tmp_path}/{{00001..00003}}.tar"],
+                 f"{tmp_path}/00000.tar::{tmp_path}/{{00001..00003}}.tar", f"pipe:cat {tmp_path}/{{00000..00003}}.tar"):
+        stream = module.build_stream(spec, False)
+        assert sorted(_labels(worker_batches(stream.spec, stream.decoder, 0, 0))) == list(range(8)), spec
+
+
+def test_validation_stream_reads_each_sample_once_in_order(tmp_path):
+    write_dataset(tmp_path, [3, 2])
+    module = _module(None, num_workers=0, val_data=str(tmp_path))
+    batches = list(module.val_dataloader())
+    assert [b["image"].shape[0] for b in batches] == [2, 2, 1]
+    assert _labels(batches) == [0, 1, 2, 3, 4]
+
+
+def test_large_jpeg_decodes_at_reduced_size():
+    buf = io.BytesIO()
+    Image.new("RGB", (512, 384), (200, 10, 10)).save(buf, format="JPEG")
+    image = open_image(buf.getvalue(), min_size=64)
+    assert image.size == (128, 96)  # 1/4 scale: the largest reduction keeping both sides >= 64
+    assert open_image(buf.getvalue()).size == (512, 384)

@@ -1,0 +1,29 @@
+"""Count and validate every sample of some shards, report bad ones, print a few.
+
+    python tools/inspect_shards.py "shards/{00000..00009}.tar" --show 3
+
+Exits with status 1 when a sample or shard is bad.
+"""
+
+import argparse
+import sys
+
+from mmssl.data.shards import inspect_shards
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data", help="shard pattern, folder, URL or pipe: command")
+    parser.add_argument("--show", type=int, default=3, help="good samples to print")
+    args = parser.parse_args(argv)
+    good, problems, shown = inspect_shards(args.data, show=args.show)
+    for sample in shown:
+        print(sample)
+    for line in problems:
+        print("BAD", line)
+    print(f"{good} good samples, {len(problems)} problems")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
