@@ -3,7 +3,7 @@
     apt-get install dataset-fashion-mnist     # idx files in /usr/share/datasets/fashion-mnist
     python tools/fashion_mnist.py --output data/fashion_mnist
 
-writes ``train/`` (60000 samples) and ``test/`` (10000), each a folder of shards
+writes ``train/`` (60000 samples, 12 shards) and ``test/`` (10000, 2 shards), each a folder of shards
 ``{00000..}.tar`` whose samples hold ``png`` (the 28x28 grey image, lossless), ``txt`` (a caption
 naming the class), ``cls`` (label index), plus ``sizes.json`` (samples per shard, open_clip's
 convention), ``classnames.txt`` and ``zeroshot_classification_templates.txt`` (the files
@@ -137,7 +137,7 @@ def write_split(images: np.ndarray, labels: np.ndarray, folder: Path, shard_size
     return sizes
 
 
-def convert(source: str, output: str, shard_size: int = 10000, limit: int | None = None, seed: int = 0) -> dict:
+def convert(source: str, output: str, shard_size: int = 5000, limit: int | None = None, seed: int = 0) -> dict:
     """Convert both splits; returns ``{split: sizes}``.
 
     Args:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default=DEFAULT_SOURCE, help="folder with the idx files")
     parser.add_argument("--output", required=True, help="writes OUTPUT/train and OUTPUT/test")
-    parser.add_argument("--shard-size", type=int, default=10000, help="samples per shard")
+    parser.add_argument("--shard-size", type=int, default=5000, help="samples per shard (5000: 12 train and 2 test shards, enough for 2 workers in exact epochs)")
     parser.add_argument("--limit", type=int, help="first N samples per split only")
     parser.add_argument("--seed", type=int, default=0, help="caption seed")
     args = parser.parse_args(argv)

@@ -115,3 +115,34 @@ def test_output_reads_back_through_mmssl_labeled_loader(source, tmp_path):
     (batch,) = list(loader)
     assert batch["image"].shape == (3, 3, 28, 28)
     assert batch["label"].tolist() == data["t10k"][1].tolist()
+
+
+@pytest.fixture
+def fashion_cwd(source, tmp_path, monkeypatch):
+    """A working folder where the configs' relative paths (data/fashion_mnist, configs/) resolve."""
+    folder, _ = source
+    work = tmp_path / "work"
+    work.mkdir()
+    fm.convert(str(folder), str(work / "data/fashion_mnist"), shard_size=4)
+    (work / "configs").symlink_to(REPO / "configs")
+    monkeypatch.chdir(work)
+    return work
+
+
+@pytest.mark.parametrize("recipe, checks", [
+    ("mae_vit_patch4", {"train/loss"}),
+    ("clip_tiny", {"train/loss", "val/zero_shot_top1"}),
+])
+def test_fashion_mnist_configs_run_end_to_end(fashion_cwd, recipe, checks):
+    from mmssl.cli import main
+
+    main([
+        "fit", "--config", f"configs/fashion_mnist/{recipe}.yaml",
+        "--data.init_args.batch_size=3", "--data.init_args.num_workers=0",
+        "--trainer.max_steps=2", "--trainer.max_time=null", "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
+        "--trainer.default_root_dir=runs", "--trainer.enable_progress_bar=false",
+    ])
+    (run,) = (fashion_cwd / "runs").glob("version_*")
+    logged = set(open(run / "metrics.csv").readline().strip().split(","))
+    assert checks <= logged, logged
