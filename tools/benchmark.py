@@ -1,7 +1,7 @@
 """Training throughput of an mmssl config, optionally beside open_clip_train on the same run.
 
     python tools/benchmark.py --config configs/fashion_mnist/clip_tiny.yaml --warmup 3 --steps 20 \
-        [--precision bf16-mixed] [--patch-dropout 0.5] [--compare-open-clip] [--json out.json] \
+        [--precision bf16-mixed] [--patch-dropout 0.5] [--compare-open-clip] [--repeats 3] [--json out.json] \
         [-- --data.init_args.batch_size=32 ...]
 
 Prints samples/s, step time, the fraction of time waiting for data, peak memory and model FLOP
@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, help="per-device batch size (data.init_args.batch_size)")
     parser.add_argument("--patch-dropout", type=float, help="drop this fraction of image patches (both tools)")
     parser.add_argument("--compare-open-clip", action="store_true", help="also run open_clip_train")
+    parser.add_argument("--repeats", type=int, default=1, help="alternate the pair this many times; median ratio")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("overrides", nargs="*", help="further mmssl CLI arguments, after --")
     args = parser.parse_args(argv)
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> dict:
         overrides.append(f"--trainer.accelerator={args.accelerator}")
     if args.batch_size:
         overrides.append(f"--data.init_args.batch_size={args.batch_size}")
-    result = benchmark(args.config, overrides, args.warmup, args.steps, args.compare_open_clip, args.patch_dropout)
+    result = benchmark(args.config, overrides, args.warmup, args.steps, args.compare_open_clip, args.patch_dropout,
+                       args.repeats)
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:

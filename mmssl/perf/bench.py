@@ -188,6 +188,7 @@ def benchmark(
     steps: int,
     compare_open_clip: bool = False,
     patch_dropout: Optional[float] = None,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Measure mmssl on ``config`` and, optionally, open_clip_train on the same run.
 
@@ -198,10 +199,15 @@ def benchmark(
         steps: timed steps.
         compare_open_clip: also run open_clip_train and report the ratio mmssl / open_clip.
         patch_dropout: drop this fraction of image patches in both (open_clip's PatchDropout).
+        repeats: run the pair this many times, alternating (A B A B ...), so a machine whose
+            speed drifts (shared CPUs) affects both alike; the ratio is the median of the pairs'.
 
     Returns:
-        ``{"mmssl": {...}, "open_clip_train": {...}?, "ratio": float?}``.
+        ``{"mmssl": {...}, "open_clip_train": {...}?, "ratio": float?, "pair_ratios": [...]?,
+        "runs": [...]}``: the figures of the median run of each tool, and every run in ``runs``.
     """
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
     root = tempfile.mkdtemp(prefix="mmssl_bench_")
     try:
         model_name = None
@@ -210,14 +216,33 @@ def benchmark(
         if patch_dropout:
             model_name = with_patch_dropout(model_name, patch_dropout, root)
             overrides = [*overrides, f"--model.init_args.model_name={model_name}"]
-        result: dict[str, Any] = {"mmssl": run_mmssl(config, overrides, warmup, steps, os.path.join(root, "mmssl"))}
-        if compare_open_clip:
-            peer = run_open_clip(result["mmssl"], model_name, warmup, steps, root)
-            result["open_clip_train"] = peer
-            result["ratio"] = result["mmssl"]["samples_per_s"] / peer["samples_per_s"]
-        return result
+        runs: list[dict[str, Any]] = []
+        for i in range(repeats):
+            mine = run_mmssl(config, overrides, warmup, steps, os.path.join(root, f"mmssl{i}"))
+            pair = {"mmssl": mine}
+            if compare_open_clip:
+                pair["open_clip_train"] = run_open_clip(mine, model_name, warmup, steps, os.path.join(root, f"peer{i}"))
+                pair["ratio"] = mine["samples_per_s"] / pair["open_clip_train"]["samples_per_s"]
+            runs.append(pair)
+        return _median_of(runs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median run of each tool (by samples/s) and the median of the pairs' ratios."""
+    def median_run(tool: str) -> dict[str, Any]:
+        ordered = sorted((r[tool] for r in runs), key=lambda m: m["samples_per_s"])
+        return ordered[(len(ordered) - 1) // 2]
+
+    result: dict[str, Any] = {"mmssl": median_run("mmssl"), "runs": runs}
+    if "open_clip_train" in runs[0]:
+        ratios = sorted(r["ratio"] for r in runs)
+        result["open_clip_train"] = median_run("open_clip_train")
+        result["pair_ratios"] = [r["ratio"] for r in runs]
+        mid = len(ratios) // 2
+        result["ratio"] = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return result
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -232,7 +257,8 @@ def format_report(result: dict[str, Any]) -> str:
     if "open_clip_train" in result:
         p = result["open_clip_train"]
         lines.append(f"{'open_clip_train':<16}{p['samples_per_s']:>11.1f}{p['step_time_s'] * 1e3:>11.1f}{p['data_wait_fraction']:>10.1%}")
-        lines.append(f"ratio mmssl / open_clip_train: {result['ratio']:.2f}x")
+        pairs = ", ".join(f"{r:.2f}" for r in result.get("pair_ratios", []))
+        lines.append(f"ratio mmssl / open_clip_train: {result['ratio']:.2f}x" + (f" (median of pairs: {pairs})" if len(result.get("pair_ratios", [])) > 1 else ""))
     lines += [
         f"peak memory ({m['peak_memory_kind']}): {m['peak_memory_bytes'] / 2**20:.0f} MiB",
         f"FLOPs per step: {m['flops_per_step'] / 1e9:.2f} GFLOP; matmul peak at {m['precision']}: "

@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mmssl.data.webdataset import expand_urls
 from mmssl.models.clip import CLIP
-from mmssl.perf.bench import benchmark, format_report, with_patch_dropout
+from mmssl.perf.bench import _median_of, benchmark, format_report, with_patch_dropout
 from mmssl.perf.meter import matmul_peak_flops
 from mmssl.perf.open_clip_peer import open_clip_precision, parse_peer_log, peer_args
 
@@ -56,6 +56,17 @@ def test_with_patch_dropout_copies_config(tmp_path, tiny_clip_json):
     assert json.loads(Path(with_patch_dropout("ViT-B-32", 0.25, str(tmp_path))).read_text())["vision_cfg"]["width"] == 768
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         with_patch_dropout(tiny_clip_json, 1.0, str(tmp_path))
+
+
+def test_repeats_report_median_pair_ratio_and_median_runs():
+    runs = [
+        {"mmssl": {"samples_per_s": s}, "open_clip_train": {"samples_per_s": p}, "ratio": s / p}
+        for s, p in ((10.0, 10.0), (30.0, 10.0), (40.0, 20.0))
+    ]
+    out = _median_of(runs)
+    assert out["ratio"] == 2.0 and out["pair_ratios"] == [1.0, 3.0, 2.0]
+    assert out["mmssl"]["samples_per_s"] == 30.0 and out["open_clip_train"]["samples_per_s"] == 10.0
+    assert _median_of(runs[:2])["ratio"] == 2.0  # even count: mean of the middle two
 
 
 def test_matmul_peak_is_positive_and_finite():
