@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--data", required=True, help="folder with train/ and test/ (tools/fashion_mnist.py)")
     parser.add_argument("--train-samples", type=int, default=10000)
     parser.add_argument("--test-samples", type=int, default=10000)
+    parser.add_argument("--only", nargs="+", choices=("pixels", "random_init", "mae"),
+                        default=("pixels", "random_init", "mae"), help="which feature sets to probe")
     parser.add_argument("--output-json")
     args = parser.parse_args(argv)
     from mmssl.models.mae import MAE
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     random_init = MAE(**{k: v for k, v in trained.hparams.items() if k != "init_encoder"}).eval()
     results = {}
     for name, model in (("pixels", None), ("random_init", random_init), ("mae", trained)):
+        if name not in args.only:
+            continue
         t0 = time.time()
         train, y_train = extract(model, os.path.join(args.data, "train"), args.train_samples)
         test, y_test = extract(model, os.path.join(args.data, "test"), args.test_samples)
