@@ -1,6 +1,8 @@
 """Evaluation and reporting callbacks, composed onto any model through YAML."""
 
+from mmssl.callbacks.knn import KNNProbe
+from mmssl.callbacks.linear_probe import LinearProbe
 from mmssl.callbacks.summary import RunSummary
 from mmssl.callbacks.zero_shot import ZeroShot
 
-__all__ = ["RunSummary", "ZeroShot"]
+__all__ = ["KNNProbe", "LinearProbe", "RunSummary", "ZeroShot"]
