@@ -14,53 +14,12 @@ import os
 from typing import Literal, Optional
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from torch import Tensor
-from torchmetrics.classification import MulticlassAccuracy
 
-from mmssl.evaluation.features import FeatureSet, check_feature
-from mmssl.evaluation.linear import METHODS, fit_linear
+from mmssl.evaluation.features import check_feature
+from mmssl.evaluation.linear import METHODS, score_linear
 from mmssl.evaluation.online import ProbeSpec, default_data, probe_features, run_folder, should_run
 from mmssl.evaluation.plot import plot_layer_accuracy
-
-
-def score_linear(
-    train: FeatureSet,
-    val: FeatureSet,
-    index: int,
-    num_classes: int,
-    method: str,
-    device: torch.device,
-    **fit_kwargs,
-) -> dict[str, Tensor]:
-    """Fit a linear probe on ``train.features[index]`` and score it on this rank's ``val``.
-
-    Args:
-        train: all ranks' training features.
-        val: this rank's validation features (may be empty).
-        index: which feature tensor (0 = final, i = block i).
-        num_classes: C.
-        method: ``"lbfgs"`` or ``"mae"``.
-        device: where to fit and score (the model's device, so metrics sync across ranks).
-        **fit_kwargs: passed to the fitting function.
-
-    Returns:
-        ``{"top1", "top5"}`` accuracies reduced over ranks by torchmetrics.
-    """
-    classifier = fit_linear(
-        train.features[index].to(device), train.labels.to(device), num_classes, method, **fit_kwargs
-    )
-    metrics = {
-        f"top{k}": MulticlassAccuracy(num_classes, top_k=k, average="micro").to(device)
-        for k in (1, 5) if k <= num_classes
-    }
-    if len(val):
-        with torch.no_grad():
-            logits = classifier(val.features[index].to(device))  # (N_val, C)
-        for metric in metrics.values():
-            metric.update(logits, val.labels.to(device))
-    return {k: m.compute() for k, m in metrics.items()}
 
 
 class LinearProbe(pl.Callback):

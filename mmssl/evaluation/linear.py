@@ -13,7 +13,10 @@ import torch
 import torch.nn.functional as F
 from timm.optim import Lars
 from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.functional.classification import multiclass_accuracy
+
+from mmssl.evaluation.features import FeatureSet
 
 Method = Literal["lbfgs", "mae"]
 METHODS: tuple[str, ...] = ("lbfgs", "mae")
@@ -68,7 +71,8 @@ def fit_logistic(
     x = features.float()
     mean, std = x.mean(dim=0), x.std(dim=0, unbiased=False).clamp_min(1e-6)
     x = (x - mean) / std  # (N, D)
-    linear = nn.Linear(x.shape[1], num_classes).to(x.device)
+    # skip_init: no draw from the global RNG (training's masks and data order stay untouched)
+    linear = nn.utils.skip_init(nn.Linear, x.shape[1], num_classes, device=x.device)
     nn.init.zeros_(linear.weight)  # a deterministic start; the optimum does not depend on it
     nn.init.zeros_(linear.bias)
     optimizer = torch.optim.LBFGS(
@@ -106,7 +110,9 @@ def fit_mae_linear(
     the linear layer after training), head weights from trunc_normal(std=0.01), LARS with momentum
     0.9 and no weight decay, ``lr = blr * batch_size / 256``, linear warm-up then half-cycle cosine
     per iteration. The paper trains 90 epochs at batch 16384 on ImageNet; here the same recipe runs
-    on cached features, so an epoch is a pass over tensors, not images.
+    on cached features, so an epoch is a pass over tensors, not images. LARS scales each step by
+    0.001 * |w| / |grad|, so it needs the paper's scale (thousands of steps, lr = 6.4): on small
+    sets use ``optimizer="sgd"`` or a larger ``blr``, or the ``lbfgs`` probe.
 
     Args:
         features: (N, D) training features (cls token in the paper).
@@ -128,7 +134,7 @@ def fit_mae_linear(
         raise ValueError(f"optimizer must be 'lars' or 'sgd', got {optimizer!r}")
     x, n = features.float(), features.shape[0]
     generator = torch.Generator().manual_seed(seed)
-    linear = nn.Linear(x.shape[1], num_classes)
+    linear = nn.utils.skip_init(nn.Linear, x.shape[1], num_classes)  # init below, own generator
     nn.init.trunc_normal_(linear.weight, std=0.01, generator=generator)
     nn.init.zeros_(linear.bias)
     head = nn.Sequential(nn.BatchNorm1d(x.shape[1], affine=False, eps=1e-6), linear).to(x.device)
@@ -200,3 +206,41 @@ def topk_accuracy(logits: Tensor, labels: Tensor, ks: tuple[int, ...] = (1, 5)) 
         f"top{k}": float(multiclass_accuracy(logits, labels, num_classes, top_k=k, average="micro"))
         for k in ks if k <= num_classes
     }
+
+
+def score_linear(
+    train: FeatureSet,
+    val: FeatureSet,
+    index: int,
+    num_classes: int,
+    method: str,
+    device: torch.device,
+    **fit_kwargs,
+) -> dict[str, Tensor]:
+    """Fit a linear probe on ``train.features[index]`` and score it on this rank's ``val``.
+
+    Args:
+        train: all ranks' training features.
+        val: this rank's validation features (may be empty).
+        index: which feature tensor (0 = final, i = block i).
+        num_classes: C.
+        method: ``"lbfgs"`` or ``"mae"``.
+        device: where to fit and score (the model's device, so metrics sync across ranks).
+        **fit_kwargs: passed to the fitting function.
+
+    Returns:
+        ``{"top1", "top5"}`` accuracies reduced over ranks by torchmetrics.
+    """
+    classifier = fit_linear(
+        train.features[index].to(device), train.labels.to(device), num_classes, method, **fit_kwargs
+    )
+    metrics = {
+        f"top{k}": MulticlassAccuracy(num_classes, top_k=k, average="micro").to(device)
+        for k in (1, 5) if k <= num_classes
+    }
+    if len(val):
+        with torch.no_grad():
+            logits = classifier(val.features[index].to(device))  # (N_val, C)
+        for metric in metrics.values():
+            metric.update(logits, val.labels.to(device))
+    return {k: m.compute() for k, m in metrics.items()}
