@@ -182,11 +182,13 @@ def fit_linear(features: Tensor, labels: Tensor, num_classes: int, method: str =
     Returns:
         A module (N, D) -> (N, C) logits.
     """
-    if method == "lbfgs":
-        return fit_logistic(features, labels, num_classes, **kwargs)
-    if method == "mae":
-        return fit_mae_linear(features, labels, num_classes, **kwargs)
-    raise ValueError(f"probe method must be one of {METHODS}, got {method!r}")
+    fits = {"lbfgs": fit_logistic, "mae": fit_mae_linear}
+    if method not in fits:
+        raise ValueError(f"probe method must be one of {METHODS}, got {method!r}")
+    # Callbacks run inside Lightning's validation loop, under torch.inference_mode: gradients need
+    # it switched off, and the cached features cloned out of inference tensors.
+    with torch.inference_mode(False), torch.enable_grad():
+        return fits[method](features.clone(), labels.clone(), num_classes, **kwargs)
 
 
 @torch.no_grad()
