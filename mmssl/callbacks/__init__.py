@@ -2,7 +2,8 @@
 
 from mmssl.callbacks.knn import KNNProbe
 from mmssl.callbacks.linear_probe import LinearProbe
+from mmssl.callbacks.reconstructions import Reconstructions
 from mmssl.callbacks.summary import RunSummary
 from mmssl.callbacks.zero_shot import ZeroShot
 
-__all__ = ["KNNProbe", "LinearProbe", "RunSummary", "ZeroShot"]
+__all__ = ["KNNProbe", "LinearProbe", "Reconstructions", "RunSummary", "ZeroShot"]

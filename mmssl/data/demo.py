@@ -234,3 +234,18 @@ def ensure_demo_data(
         eval_dir=str(eval_dir),
         classnames=demo_classnames(),
     )
+
+
+def demo_data(root: str | None = None) -> DemoData:
+    """The demo set in ``root`` as it is, whatever sizes it was generated with; else generate it.
+
+    The data module calls this: a folder a user (or a test) generated with other sizes is used,
+    not overwritten with the defaults.
+    """
+    marker = Path(root or DEFAULT_DEMO_DIR).expanduser() / "done.json"
+    if marker.exists():
+        settings = json.loads(marker.read_text())
+        if settings.get("version") == DEMO_VERSION:
+            settings.pop("version")
+            return ensure_demo_data(root, **settings)
+    return ensure_demo_data(root)

@@ -19,7 +19,7 @@ import torch
 import webdataset as wds
 from torch.utils.data import DataLoader, default_collate
 
-from mmssl.data.demo import ensure_demo_data
+from mmssl.data.demo import demo_data
 from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD, eval_transform, train_transform
 
 
@@ -121,11 +121,11 @@ class ImageTextDataModule(pl.LightningDataModule):
 
     def prepare_data(self) -> None:
         if self.train_data is None:
-            ensure_demo_data(self.demo_dir)  # generated once per node, before setup on all ranks
+            demo_data(self.demo_dir)  # generated once per node, before setup on all ranks
 
     def setup(self, stage: str) -> None:
         if self.train_data is None:
-            demo = ensure_demo_data(self.demo_dir)
+            demo = demo_data(self.demo_dir)
             self.train_data = demo.train
             self.val_data = self.val_data or demo.val
             self.eval_data = demo.eval_dir
