@@ -86,6 +86,32 @@ class CLIP(pl.LightningModule):
         """(B, L) token ids -> (B, D) embeddings."""
         return self.model.encode_text(tokens, normalize=normalize)
 
+    # Probe hooks (added by the evaluation branch, issue 6): the protocol of
+    # mmssl.evaluation.features, over open_clip's VisionTransformer.forward_intermediates.
+
+    def forward_features(self, images: Tensor) -> Tensor:
+        """Image-tower tokens after the final norm (``ln_post``): (B, 3, H, W) -> (B, 1+L, D)."""
+        return self._visual_intermediates(images, indices=1, norm=True)[-1]  # indices=1: last block
+
+    def forward_intermediates(self, images: Tensor, pool: str = "cls", norm: bool = False) -> list[Tensor]:
+        """Pooled (B, D) output of every image-tower block, block 1 first (``pool``: cls / avg)."""
+        if pool not in ("cls", "avg"):
+            raise ValueError(f"pool must be 'cls' or 'avg', got {pool!r}")
+        tokens = self._visual_intermediates(images, norm=norm)
+        return [t[:, 0] if pool == "cls" else t[:, 1:].mean(dim=1) for t in tokens]
+
+    def _visual_intermediates(self, images: Tensor, indices=None, norm: bool = False) -> list[Tensor]:
+        visual = self.model.visual
+        if not hasattr(visual, "forward_intermediates"):
+            raise TypeError(f"image tower {type(visual).__name__} has no forward_intermediates (needs a ViT)")
+        out = visual.forward_intermediates(
+            images, indices=indices, normalize_intermediates=norm, intermediates_only=True,
+            output_fmt="NLC", output_extra_tokens=True,
+        )
+        # open_clip returns the cls token and the patch tokens apart: (B, 1, D) + (B, L, D).
+        return [torch.cat([cls, patches], dim=1) for cls, patches in
+                zip(out["image_intermediates_prefix"], out["image_intermediates"])]
+
     def forward(self, images: Tensor, tokens: Tensor) -> dict[str, Tensor]:
         """Returns ``image_features`` (B, D), ``text_features`` (B, D), ``logit_scale`` ()."""
         return self.model(images, tokens)
