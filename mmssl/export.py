@@ -1,0 +1,80 @@
+"""Turn mmssl training checkpoints into plain state dicts other libraries load.
+
+``EXPORTERS`` maps a format name to a function from the Lightning checkpoint's ``state_dict`` to
+the target library's state dict; ``tools/export.py`` is a thin command line over
+:func:`export_checkpoint`. Add a format by adding an entry (e.g. ``"open_clip"`` for CLIP).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+StateDict = dict[str, torch.Tensor]
+
+
+def to_timm(state_dict: StateDict) -> StateDict:
+    """MAE encoder -> ``timm`` VisionTransformer (``num_classes=0, global_pool="token"``).
+
+    ``MaskedViT`` already uses timm's parameter names, so this keeps the ``encoder.`` entries
+    and drops the prefix; the decoder and mask token are pretraining-only and left out.
+
+    Args:
+        state_dict: a Lightning checkpoint's ``state_dict`` of an ``MAE`` module.
+
+    Returns:
+        State dict for e.g. ``timm.create_model("vit_base_patch16_224", num_classes=0,
+        global_pool="token")``.
+    """
+    prefix = "encoder."
+    out = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if not out:
+        raise KeyError("no 'encoder.*' weights in this checkpoint: is it an MAE checkpoint?")
+    return out
+
+
+EXPORTERS: dict[str, Callable[[StateDict], StateDict]] = {"timm": to_timm}
+
+
+def load_lightning_state_dict(path: str) -> StateDict:
+    """Read the ``state_dict`` of a Lightning checkpoint written by ``mmssl fit``.
+
+    Args:
+        path: ``.ckpt`` file.
+
+    Returns:
+        The module's state dict (``encoder.*``, ``decoder.*``, ...).
+    """
+    # Our own checkpoints also pickle hyper-parameters (optimizer callables), which
+    # weights_only loading rejects; only load checkpoints you trust.
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    if "state_dict" not in checkpoint:
+        raise KeyError(f"{path} is not a Lightning checkpoint (no 'state_dict' entry)")
+    return checkpoint["state_dict"]
+
+
+def export_checkpoint(ckpt: str, format: str, output: str) -> StateDict:
+    """Convert ``ckpt`` to ``format`` and save it to ``output``.
+
+    Args:
+        ckpt: Lightning checkpoint path.
+        format: a key of :data:`EXPORTERS`.
+        output: destination; ``.safetensors`` writes safetensors, anything else ``torch.save``.
+
+    Returns:
+        The exported state dict.
+    """
+    if format not in EXPORTERS:
+        raise ValueError(f"unknown export format {format!r}; choose from {sorted(EXPORTERS)}")
+    state = EXPORTERS[format](load_lightning_state_dict(ckpt))
+    state = {k: v.detach().contiguous().clone() for k, v in state.items()}
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    if output.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(state, output)
+    else:
+        torch.save(state, output)
+    return state
