@@ -78,6 +78,18 @@ def retrieval_metrics(image_features: Tensor, text_features: Tensor) -> dict[str
     }
 
 
+def _checkpoint_has(path: str, key: str) -> bool:
+    """Whether an open_clip checkpoint file holds ``key``, read lazily (mmap / safetensors)."""
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            return key in f.keys()
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    state = state.get("state_dict", state)
+    return any(k == key or k.endswith("." + key) for k in state)
+
+
 class CLIP(pl.LightningModule):
     """Contrastive image-text pretraining: CLIP, SigLIP, FLIP and LiT from one module.
 
@@ -127,13 +139,18 @@ class CLIP(pl.LightningModule):
         if unmasked_tune_steps < 0:
             raise ValueError(f"model.unmasked_tune_steps must be >= 0, got {unmasked_tune_steps}")
         name = resolve_model_name(model_name)
-        self.model = open_clip.create_model(
-            name, pretrained=pretrained, output_dict=True, **self._init_kwargs(loss, init_logit_scale, init_logit_bias)
-        )
+        init = self._init_kwargs(loss, init_logit_scale, init_logit_bias)
+        self.model = open_clip.create_model(name, pretrained=pretrained, output_dict=True, **init)
+        bias = init.get("init_logit_bias")
+        if pretrained is not None and bias is not None and not _checkpoint_has(pretrained, "logit_bias"):
+            # open_clip fills a missing bias with 0 (its issue 712); SigLiT from a CLIP file wants b.
+            with torch.no_grad():
+                self.model.logit_bias.fill_(bias)
         if lock_image:
             self.model.lock_image_tower(unlocked_groups=lock_image_unlocked_groups)
         if image_mask_ratio is None:
-            image_mask_ratio = float(open_clip.get_model_config(name)["vision_cfg"].get("patch_dropout", 0.0))
+            vision_cfg = open_clip.get_model_config(name)["vision_cfg"]
+            image_mask_ratio = float(vision_cfg.get("patch_dropout", 0.0))
         self.flip = install_flip_masking(self.model.visual, image_mask_ratio)
         self.image_mask_ratio = image_mask_ratio
         self.tokenizer: Callable = open_clip.get_tokenizer(name)
@@ -195,7 +212,9 @@ class CLIP(pl.LightningModule):
         offset = rank() * image.shape[0]  # training batches are equal on every rank
         all_text = gather_with_grad(text)  # (N, D)
         if all_text.shape[0] != world_size() * text.shape[0]:
-            raise RuntimeError("contrastive loss needs the same batch size on every rank (drop partial batches)")
+            raise RuntimeError(
+                "the contrastive loss needs the same batch size on every rank (drop partial batches)"
+            )
         if self.loss_name == "siglip":
             return siglip_loss(image, text, out["logit_scale"], out["logit_bias"], all_text, offset)
         all_image = gather_with_grad(image)  # (N, D)
@@ -238,12 +257,13 @@ class CLIP(pl.LightningModule):
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self(batch["image"], batch["text"])  # eval mode: unmasked
         # Per-rank loss (the last batch may be partial), averaged over ranks by Lightning.
+        image, text, scale = out["image_features"], out["text_features"], out["logit_scale"]
         if self.loss_name == "siglip":
-            loss = siglip_loss(out["image_features"], out["text_features"], out["logit_scale"], out["logit_bias"])
+            loss = siglip_loss(image, text, scale, out["logit_bias"])
         else:
-            loss = clip_loss(out["image_features"], out["text_features"], out["logit_scale"])
+            loss = clip_loss(image, text, scale)
         self.log("val/loss", loss, sync_dist=True, batch_size=batch["image"].shape[0])
-        self._val_features.append((out["image_features"].float(), out["text_features"].float()))
+        self._val_features.append((image.float(), text.float()))
 
     def on_validation_epoch_end(self) -> None:
         # A rank without validation batches still joins the gather, with no rows.

@@ -77,3 +77,13 @@ def test_pretrained_file_starts_a_lit_run_with_the_exported_image_tower(tmp_path
         torch.testing.assert_close(lit.encode_image(images), source.encode_image(images))
         torch.testing.assert_close(lit.encode_text(tokens), source.encode_text(tokens))
     assert not any(p.requires_grad for p in lit.model.visual.parameters())
+
+
+def test_siglit_from_a_clip_file_starts_at_the_siglip_bias(tmp_path, tiny_clip_json):
+    source = CLIP(tiny_clip_json)  # softmax CLIP: its file has no logit_bias
+    torch.save({"state_dict": source.state_dict()}, tmp_path / "last.ckpt")
+    _export_tool().main(["--ckpt", str(tmp_path / "last.ckpt"), "--format", "open_clip",
+                         "--output", str(tmp_path / "clip.pt")])
+    siglit = CLIP(tiny_clip_json, loss="siglip", pretrained=str(tmp_path / "clip.pt"), lock_image=True)
+    assert siglit.model.logit_bias.item() == -10.0  # not open_clip's fill value 0
+    assert siglit.model.logit_scale.item() == source.model.logit_scale.item()  # the file's
