@@ -6,12 +6,15 @@
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
+from mmssl.callbacks.guards import NonFiniteGuard
 from mmssl.callbacks.summary import RunSummary
 
 
@@ -51,24 +54,45 @@ class MMSSLCLI(LightningCLI):
             ("tokenizer", _tokenizer),
         ):
             parser.link_arguments("model", f"data.init_args.{target}", compute_fn=fn, apply_on="instantiate")
-        # Always on: the end-of-run report of where everything went.
+        # Always on, configurable: the start/end report, and the non-finite step guard.
         parser.add_lightning_class_args(RunSummary, "summary")
+        parser.add_lightning_class_args(NonFiniteGuard, "nonfinite_guard")
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         config = self._get(self.config_init, "trainer", default={})
         if config.get("logger") in (None, True) and "logger" not in kwargs:
-            kwargs["logger"] = default_loggers(config.get("default_root_dir") or "runs")
+            # Resuming (`--ckpt_path last`, or a SLURM requeue) continues in the latest run folder,
+            # where its checkpoints are; a fresh run opens the next version_N.
+            resume = self._get(self.config_init, "ckpt_path") in ("last", "hpc") or (
+                os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
+            )
+            kwargs["logger"] = default_loggers(config.get("default_root_dir") or "runs", resume)
         return super().instantiate_trainer(**kwargs)
 
 
-def default_loggers(root: str) -> list:
+def latest_version(root: str) -> Optional[int]:
+    """Highest N of the ``version_N`` folders in ``root``, ``None`` if there is none."""
+    found = [int(m.group(1)) for d in os.listdir(root) if (m := re.fullmatch(r"version_(\d+)", d))] if os.path.isdir(root) else []
+    return max(found) if found else None
+
+
+def default_loggers(root: str, resume: bool = False) -> list:
     """TensorBoard and CSV loggers writing into one run folder, ``{root}/version_N``.
 
     Each logger would pick the next free ``version_N`` on its own, and they can disagree (the
     first creates its folder before the second looks), so the CSV logger takes TensorBoard's.
     Checkpoints and the saved config follow the first logger, so a run is one folder.
+
+    Args:
+        root: the folder of run folders (``trainer.default_root_dir``).
+        resume: reuse the latest ``version_N`` (its ``checkpoints/last.ckpt`` is what
+            ``--ckpt_path last`` finds) instead of opening a new one.
+
+    Returns:
+        ``[TensorBoardLogger, CSVLogger]``.
     """
-    tensorboard = TensorBoardLogger(save_dir=root, name="")
+    version = latest_version(root) if resume else None
+    tensorboard = TensorBoardLogger(save_dir=root, name="", version=version)
     return [tensorboard, CSVLogger(save_dir=root, name="", version=tensorboard.version)]
 
 
@@ -81,6 +105,7 @@ def cli_main(args: Optional[list[str]] = None) -> MMSSLCLI:
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         trainer_defaults={"default_root_dir": "runs"},
+        parser_kwargs={"prog": "mmssl", "description": "Self-supervised MAE and CLIP pretraining (Lightning CLI)."},
         args=args,
     )
 

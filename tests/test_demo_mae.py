@@ -12,14 +12,15 @@ from mmssl.models.mae import MAE
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_demo_mae_fit_and_export(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the config's loggers write to ./runs
+def test_demo_mae_fit_and_export(tmp_path, tiny_demo):
     main([
         "fit", "--config", str(ROOT / "configs/demo/mae.yaml"),
-        "--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--data.num_workers=0",
-        "--data.batch_size=8",
+        f"--data.demo_dir={tiny_demo.root}", "--data.num_workers=0", "--data.batch_size=8",
+        "--trainer.max_steps=3", "--trainer.limit_val_batches=1",
+        f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
     ])
-    run = tmp_path / "runs" / "demo_mae" / "version_0"
+    run = tmp_path / "version_0"
+    assert (run / "config.yaml").is_file() and list(run.glob("events.out.tfevents.*"))
     ckpt = run / "checkpoints" / "last.ckpt"
     assert ckpt.is_file()
     assert list((run / "reconstructions").glob("step_*.png")), "Reconstructions callback wrote no grid"

@@ -6,6 +6,7 @@ import pytest
 import torch
 import yaml
 
+from mmssl.cli import main
 from mmssl.models.mae import MAE
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -43,16 +44,15 @@ def test_demo_recipe_builds():
 
 
 @pytest.mark.parametrize("name", sorted(SIZES))
-def test_recipe_runs_two_steps_on_cpu_at_tiny_scale(name, tmp_path, monkeypatch):
-    from mmssl.cli import main
-
-    monkeypatch.chdir(tmp_path)
+def test_recipe_runs_two_steps_on_cpu_at_tiny_scale(name, tmp_path, tiny_demo):
     main([
         "fit", "--config", str(CONFIGS / "mae" / f"{name}.yaml"),
         "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1",
         "--trainer.strategy=auto", "--trainer.precision=32-true", "--trainer.max_steps=2",
         "--trainer.limit_val_batches=0",
-        "--data.train_data=null", "--data.batch_size=4", "--data.num_workers=0",
+        f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+        "--data.train_data=null", f"--data.demo_dir={tiny_demo.root}",
+        "--data.batch_size=4", "--data.num_workers=0",
         "--data.train_num_samples=64", "--model.image_size=32", "--model.patch_size=4",
         "--model.embed_dim=64", "--model.depth=1", "--model.num_heads=4",
         "--model.decoder_embed_dim=32", "--model.decoder_depth=1", "--model.decoder_num_heads=4",

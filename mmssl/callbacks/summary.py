@@ -7,8 +7,49 @@ import math
 import lightning.pytorch as pl
 
 
+def run_info(trainer: pl.Trainer) -> dict[str, float | int]:
+    """The figures a user checks first at scale: world, batch, steps and learning rates.
+
+    Returns:
+        ``world_size``, ``num_nodes``, ``batch_size_per_device``, ``accumulate_grad_batches``,
+        ``global_batch_size``, ``steps_per_epoch`` (optimizer steps), ``total_steps`` and the peak
+        ``lr`` of each optimizer group (``lr_group{i}``).
+    """
+    datamodule = trainer.datamodule
+    per_device = int(getattr(datamodule, "batch_size", 0) or 0)
+    accumulate = trainer.accumulate_grad_batches
+    batches = trainer.num_training_batches
+    info: dict[str, float | int] = {
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "batch_size_per_device": per_device,
+        "accumulate_grad_batches": accumulate,
+        "global_batch_size": per_device * trainer.world_size * accumulate,
+        "steps_per_epoch": int(batches // accumulate) if math.isfinite(batches) else -1,
+        "total_steps": int(trainer.estimated_stepping_batches)
+        if math.isfinite(trainer.estimated_stepping_batches) else -1,
+    }
+    for opt in trainer.optimizers:
+        for i, group in enumerate(opt.param_groups):
+            info[f"lr_group{i}"] = float(group.get("initial_lr", group["lr"]))
+    return info
+
+
 class RunSummary(pl.Callback):
-    """Print the run folder, checkpoints and final metrics after ``fit`` / ``validate``."""
+    """Print the run's scale at the start, and where it went and what it reached at the end.
+
+    At the start of training, ``run_info`` is printed on rank 0 and recorded in the loggers'
+    hyper-parameters (``hparams.yaml`` in the run folder), so the world size of a run is saved
+    beside its config.
+    """
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        info = run_info(trainer)
+        for logger in trainer.loggers:
+            logger.log_hyperparams({f"run/{k}": v for k, v in info.items()})
+        if trainer.is_global_zero:
+            print("mmssl run: " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in info.items()), flush=True)
 
     def _report(self, trainer: pl.Trainer, what: str) -> None:
         if not trainer.is_global_zero:

@@ -302,6 +302,12 @@ class MAE(LightningModule):
 
     # ---- training ------------------------------------------------------------------------------
 
+    def on_fit_start(self) -> None:
+        # seed_everything gives every rank the same seed, so every rank would draw the same masks;
+        # offset by rank as MAE's main_pretrain.py does (seed = args.seed + misc.get_rank()).
+        if self.trainer.world_size > 1:
+            torch.manual_seed(torch.initial_seed() + self.global_rank)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _, _ = self(batch["image"])
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["image"].shape[0])

@@ -1,0 +1,32 @@
+"""Callbacks that tests inject into real CLI runs (importable by subprocesses via PYTHONPATH)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import lightning.pytorch as pl
+import torch
+
+
+class KillAtStep(pl.Callback):
+    """SIGKILL this process once ``global_step`` reaches ``step``: a crash with no clean-up."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DumpParams(pl.Callback):
+    """Save each rank's parameters to ``{folder}/rank{R}.pt`` when training ends."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        torch.save(state, os.path.join(self.folder, f"rank{trainer.global_rank}.pt"))
