@@ -17,7 +17,7 @@ import json
 from typing import Optional
 
 from mmssl.evaluation.encoders import load_model
-from mmssl.evaluation.offline import format_table, linear_probe_report
+from mmssl.evaluation.offline import emit_report, linear_probe_report
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -52,11 +52,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     )
     report = {"checkpoint": args.ckpt, "model": args.model or type(model).__name__,
               "train_data": args.train_data, "val_data": args.val_data, **report}
-    print(format_table(report, f"linear probe of {args.ckpt}"))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.output_json}")
+    emit_report(report, f"linear probe of {args.ckpt}", args.output_json)
     return report
 
 

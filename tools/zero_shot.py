@@ -12,11 +12,10 @@ templates. ``--ckpt`` takes an mmssl Lightning checkpoint or an open_clip state 
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Optional
 
 from mmssl.evaluation.encoders import load_model
-from mmssl.evaluation.offline import format_table, zero_shot_report
+from mmssl.evaluation.offline import emit_report, zero_shot_report
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -38,11 +37,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     model = load_model(args.ckpt, args.model, None, args.model_class)
     report = zero_shot_report(model, args.data, args.classnames, args.templates, args.batch_size, args.num_workers)
     report = {"checkpoint": args.ckpt, "model": args.model or type(model).__name__, "data": args.data, **report}
-    print(format_table(report, f"zero-shot of {args.ckpt}"))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.output_json}")
+    emit_report(report, f"zero-shot of {args.ckpt}", args.output_json)
     return report
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Optional
 
@@ -135,3 +136,18 @@ def format_table(report: dict, title: str) -> str:
         text = f"{value:.4f}" if isinstance(value, float) else str(value)
         lines.append(f"{key:<{width}}  {text:>10}")
     return "\n".join(lines)
+
+
+def emit_report(report: dict, title: str, output_json: Optional[str] = None) -> None:
+    """Print ``report`` as a table and, if asked, write it as JSON (what both probe tools end with).
+
+    Args:
+        report: the figures (``top1``, ``top5``, sizes, ...).
+        title: the table's heading.
+        output_json: path of the JSON file, or ``None`` for none.
+    """
+    print(format_table(report, title))
+    if output_json:
+        with open(output_json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {output_json}")
