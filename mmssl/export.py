@@ -2,7 +2,7 @@
 
 ``EXPORTERS`` maps a format name to a function from the Lightning checkpoint's ``state_dict`` to
 the target library's state dict; ``tools/export.py`` is a thin command line over
-:func:`export_checkpoint`. Add a format by adding an entry (e.g. ``"open_clip"`` for CLIP).
+:func:`export_checkpoint`. Add a format by adding an entry.
 """
 
 from __future__ import annotations
@@ -35,7 +35,30 @@ def to_timm(state_dict: StateDict) -> StateDict:
     return out
 
 
-EXPORTERS: dict[str, Callable[[StateDict], StateDict]] = {"timm": to_timm}
+def to_open_clip(state_dict: StateDict) -> StateDict:
+    """CLIP module -> plain open_clip state dict.
+
+    The module holds the open_clip model as ``model``, so this drops that prefix; FLIP masking
+    has no weights. ``open_clip.create_model_and_transforms(NAME, pretrained=FILE)`` loads the
+    result (strictly) when NAME is the config the module was built from: for a JSON config of
+    ours, register it first with ``open_clip.add_model_config("path/to/name.json")``. A SigLIP
+    model carries ``logit_bias``: load it into a config without one by passing
+    ``init_logit_bias=-10`` to ``create_model_and_transforms`` (any value; the file's wins).
+
+    Args:
+        state_dict: a Lightning checkpoint's ``state_dict`` of a ``CLIP`` module.
+
+    Returns:
+        State dict for the open_clip model of the same config.
+    """
+    prefix = "model."
+    out = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if not out or "logit_scale" not in out:
+        raise KeyError("no 'model.logit_scale' in this checkpoint: is it an mmssl CLIP checkpoint?")
+    return out
+
+
+EXPORTERS: dict[str, Callable[[StateDict], StateDict]] = {"timm": to_timm, "open_clip": to_open_clip}
 
 
 def load_lightning_state_dict(path: str) -> StateDict:

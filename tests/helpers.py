@@ -30,3 +30,21 @@ class DumpParams(pl.Callback):
         os.makedirs(self.folder, exist_ok=True)
         state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
         torch.save(state, os.path.join(self.folder, f"rank{trainer.global_rank}.pt"))
+
+
+class DumpShards(pl.Callback):
+    """Write the shards this rank reads (and where Lightning placed it) to ``{folder}/rank{R}.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import json
+
+        spec = trainer.train_dataloader.dataset.spec
+        mine = spec.groups[spec.rank * spec.workers:(spec.rank + 1) * spec.workers]
+        os.makedirs(self.folder, exist_ok=True)
+        with open(os.path.join(self.folder, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"node_rank": trainer.node_rank, "world_size": trainer.world_size,
+                       "environment": type(trainer.strategy.cluster_environment).__name__,
+                       "shards": [u for group in mine for u in group]}, f)

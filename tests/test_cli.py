@@ -88,3 +88,16 @@ def test_trainer_configs_stack_onto_a_recipe(name, capsys):
     expected = "FSDPStrategy" if name == "fsdp" else "DDPStrategy"
     assert trainer["strategy"]["class_path"].endswith(expected)
     assert trainer["default_root_dir"] == "runs/demo_clip"  # the recipe's values survive
+
+
+@pytest.mark.parametrize("data_args, message", [
+    (["--data.init_args.train_data=/nonexistent/shards/"], "data.train_data='/nonexistent/shards/'"),
+    (["--data.init_args.num_workers=5"], "only 4 shards"),  # 1 rank x 5 workers > 4 shards
+])
+def test_data_config_errors_fail_before_training(data_args, message, tmp_path, tiny_demo, tiny_clip_json):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        main(["fit", "--config", str(REPO / "configs/demo/clip.yaml"),
+              f"--model.init_args.model_name={tiny_clip_json}",
+              f"--data.init_args.demo_dir={tiny_demo.root}", *data_args,
+              f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"])
+    assert not list(tmp_path.rglob("*.ckpt"))  # no step was taken

@@ -1,6 +1,7 @@
 """Export an mmssl checkpoint for another library.
 
     python tools/export.py --ckpt runs/mae/checkpoints/last.ckpt --format timm --output vit.pth
+    python tools/export.py --ckpt runs/clip/checkpoints/last.ckpt --format open_clip --output clip.pth
 """
 
 from __future__ import annotations

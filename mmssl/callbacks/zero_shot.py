@@ -1,45 +1,17 @@
-"""Zero-shot classification during validation (CLIP sec. 3.1.2): prompts -> class embeddings."""
+"""Zero-shot accuracy during validation and on ``mmssl validate`` (CLIP sec. 3.1.2)."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import lightning.pytorch as pl
-import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torchmetrics.classification import MulticlassAccuracy
 
 from mmssl.data.labeled import labeled_loader, read_classnames, read_templates
 from mmssl.data.transforms import eval_transform
+from mmssl.evaluation.zero_shot import build_zero_shot_classifier, zero_shot_evaluate
 
-
-@torch.no_grad()
-def build_zero_shot_classifier(
-    encode_text: Callable[[Tensor], Tensor],
-    tokenizer: Callable[[list[str]], Tensor],
-    classnames: Sequence[str],
-    templates: Sequence[str],
-    device: torch.device,
-) -> Tensor:
-    """Average the normalised embeddings of every prompt of a class (CLIP's prompt ensembling).
-
-    Args:
-        encode_text: (N, L) tokens -> (N, D) embeddings.
-        tokenizer: list of strings -> (N, L) tokens.
-        classnames: C class names.
-        templates: T prompt templates with a ``{c}`` placeholder.
-        device: where the tokens go.
-
-    Returns:
-        (D, C) classifier: column c is the renormalised mean prompt embedding of class c.
-    """
-    weights = []
-    for name in classnames:
-        tokens = tokenizer([t.format(c=name) for t in templates]).to(device)  # (T, L)
-        emb = F.normalize(encode_text(tokens).float(), dim=-1).mean(dim=0)  # (D,)
-        weights.append(F.normalize(emb, dim=-1))
-    return torch.stack(weights, dim=1)  # (D, C)
+__all__ = ["ZeroShot", "build_zero_shot_classifier"]
 
 
 class ZeroShot(pl.Callback):
@@ -49,53 +21,56 @@ class ZeroShot(pl.Callback):
     ``image_mean`` and ``image_std``. Each rank scores its own shards; torchmetrics reduces.
 
     Args:
-        data: labelled folder (shards with ``cls``, ``classnames.txt``, optional templates);
+        data: labelled set (shards with ``cls`` or an image folder) with ``classnames.txt``;
             defaults to the data module's ``eval_data`` (the demo's held-out split).
+        classnames: class-names file; defaults to ``classnames.txt`` beside the data.
+        templates: templates file; defaults to ``zeroshot_classification_templates.txt`` beside
+            the data, else CLIP's 80 ImageNet templates.
         batch_size: images per batch.
         num_workers: loader workers.
-        every_n_epochs: run on validations of every n-th epoch.
+        every_n_epochs: run on validations of every n-th epoch (and always on ``validate``).
     """
 
     def __init__(
         self,
         data: Optional[str] = None,
+        classnames: Optional[str] = None,
+        templates: Optional[str] = None,
         batch_size: int = 256,
         num_workers: int = 0,
         every_n_epochs: int = 1,
     ) -> None:
-        self.data, self.batch_size, self.num_workers = data, batch_size, num_workers
+        if every_n_epochs < 1:
+            raise ValueError(f"ZeroShot: every_n_epochs must be >= 1, got {every_n_epochs}")
+        self.data, self.classnames, self.templates = data, classnames, templates
+        self.batch_size, self.num_workers = batch_size, num_workers
         self.every_n_epochs = every_n_epochs
 
-    def _folder(self, trainer: pl.Trainer) -> str:
-        folder = self.data or getattr(trainer.datamodule, "eval_data", None)
-        if not folder:
-            raise ValueError("ZeroShot: set init_args.data to a labelled folder (classnames.txt + shards with cls)")
-        return folder
+    def _data(self, trainer: pl.Trainer) -> str:
+        data = self.data or getattr(trainer.datamodule, "eval_data", None)
+        if not data:
+            raise ValueError("ZeroShot: set init_args.data to a labelled set (classnames.txt + shards with cls)")
+        return data
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or trainer.current_epoch % self.every_n_epochs:
+        if trainer.sanity_checking:
+            return
+        if trainer.state.fn == "fit" and (trainer.current_epoch + 1) % self.every_n_epochs:
             return
         for key, value in self.evaluate(trainer, pl_module).items():
-            pl_module.log(f"val/zero_shot_{key}", value)
+            if key != "num_samples":
+                pl_module.log(f"val/zero_shot_{key}", value)
 
-    @torch.no_grad()
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
-        """Score the model; returns ``{"top1": ..., "top5": ...}`` reduced over ranks."""
-        folder = self._folder(trainer)
-        classnames, templates = read_classnames(folder), read_templates(folder)
-        device = pl_module.device
+        """Score the model; returns ``{"top1", "top5", "num_samples"}`` reduced over ranks."""
+        data = self._data(trainer)
+        classnames = read_classnames(data, self.classnames)
+        templates = read_templates(data, self.templates)
         transform = eval_transform(pl_module.image_size, pl_module.image_mean, pl_module.image_std)
-        metrics = {
-            f"top{k}": MulticlassAccuracy(num_classes=len(classnames), top_k=k, average="micro").to(device)
-            for k in (1, 5) if k <= len(classnames)
-        }
-        with trainer.precision_plugin.forward_context():
-            classifier = build_zero_shot_classifier(
-                pl_module.encode_text, pl_module.tokenizer, classnames, templates, device
-            )
-            for batch in labeled_loader(folder, transform, self.batch_size, self.num_workers):
-                features = F.normalize(pl_module.encode_image(batch["image"].to(device)).float(), dim=-1)
-                logits = features @ classifier  # (B, C)
-                for metric in metrics.values():
-                    metric.update(logits, batch["label"].to(device))
-        return {k: m.compute() for k, m in metrics.items()}
+        batches = labeled_loader(
+            data, transform, self.batch_size, self.num_workers, trainer.global_rank, trainer.world_size
+        )
+        return zero_shot_evaluate(
+            pl_module, batches, classnames, templates, pl_module.device,
+            trainer.precision_plugin.forward_context,
+        )

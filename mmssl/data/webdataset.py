@@ -115,6 +115,17 @@ class ImageTextDataModule(pl.LightningDataModule):
             self.train_data = demo.train
             self.val_data = self.val_data or demo.val
             self.eval_data = demo.eval_dir
+        if stage == "fit":
+            # Plan the streams now: setup runs before the model is moved to its device, so a
+            # missing shard, an empty folder or too few shards for ranks x workers fails here,
+            # before any accelerator time is spent.
+            rank, world = self._rank_world()
+            for key, data, train in (("train_data", self.train_data, True), ("val_data", self.val_data, False)):
+                if data:
+                    try:
+                        self.build_stream(data, train, rank, world)
+                    except (ValueError, FileNotFoundError) as err:
+                        raise type(err)(f"data.{key}={data!r}: {err}") from err
 
     # Pipeline -----------------------------------------------------------------------------------
 

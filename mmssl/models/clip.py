@@ -1,23 +1,37 @@
-"""CLIP LightningModule over open_clip towers (Radford et al. 2021).
+"""CLIP LightningModule over open_clip towers (Radford et al. 2021), with SigLIP and FLIP.
 
 open_clip builds the towers, the tokenizer and the preprocessing config, so any model config name
-it knows (``open_clip.list_models()``) or a JSON config file of ours works unchanged.
+it knows (``open_clip.list_models()``) or a JSON config file of ours works unchanged, timm image
+towers included. On N ranks the loss is exact: features are gathered from every rank with
+gradients (``mmssl.distributed.gather_with_grad``) and each rank scores its own rows against all
+columns, open_clip's ``local_loss`` + ``gather_with_grad`` setting.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import lightning.pytorch as pl
 import open_clip
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
+from open_clip_train.train import get_clip_metrics
 from torch import Tensor
 
-from mmssl.losses import clip_loss
+from mmssl.distributed import gather_with_grad, rank, world_size
+from mmssl.losses import clip_loss, siglip_loss
+from mmssl.models.flip import install_flip_masking
 from mmssl.optim import param_groups, warmup_cosine
+
+# Initial (logit_scale, logit_bias): CLIP sec. 2.5 (temperature 0.07, no bias); SigLIP sec. 3.2
+# (t' = log 10, b = -10, so training starts near the prior of mostly negative pairs).
+LOSS_INIT: dict[str, tuple[float, Optional[float]]] = {
+    "clip": (math.log(1 / 0.07), None),
+    "siglip": (math.log(10.0), -10.0),
+}
 
 
 def resolve_model_name(model_name: str) -> str:
@@ -42,13 +56,59 @@ def resolve_model_name(model_name: str) -> str:
     return model_name
 
 
+def retrieval_metrics(image_features: Tensor, text_features: Tensor) -> dict[str, float]:
+    """Image->text and text->image recall@1/5/10 of held-out pairs, pair i matching pair i.
+
+    open_clip_train's ``get_clip_metrics`` (the numbers open_clip logs as ``image_to_text_R@1``)
+    on features gathered from every rank, so the figure is the same on 1 or N ranks.
+
+    Args:
+        image_features: (N, D) L2-normalised image embeddings of the whole held-out set.
+        text_features: (N, D) L2-normalised text embeddings, row i paired with image i.
+
+    Returns:
+        ``{"i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", ...}`` in [0, 1].
+    """
+    metrics = get_clip_metrics(image_features.float(), text_features.float(), 1.0)
+    names = {"image_to_text": "i2t", "text_to_image": "t2i"}
+    return {
+        f"{short}_R@{k}": float(metrics[f"{long}_R@{k}"])
+        for long, short in names.items()
+        for k in (1, 5, 10)
+    }
+
+
+def _checkpoint_has(path: str, key: str) -> bool:
+    """Whether an open_clip checkpoint file holds ``key``, read lazily (mmap / safetensors)."""
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            return key in f.keys()
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    state = state.get("state_dict", state)
+    return any(k == key or k.endswith("." + key) for k in state)
+
+
 class CLIP(pl.LightningModule):
-    """Contrastive image-text pretraining.
+    """Contrastive image-text pretraining: CLIP, SigLIP, FLIP and LiT from one module.
 
     Args:
         model_name: open_clip model config name, or path to a JSON config file.
+        pretrained: local open_clip checkpoint file to start from (e.g. one written by
+            ``tools/export.py --format open_clip``); ``None`` for random init. Never downloads.
+        loss: ``clip`` (softmax InfoNCE) or ``siglip`` (sigmoid loss with a learnable bias).
+        init_logit_scale: initial log of the logit scale; ``None``: log(1/0.07) for clip,
+            log(10) for siglip.
+        init_logit_bias: initial logit bias; ``None``: none for clip, -10 for siglip.
+        image_mask_ratio: FLIP: fraction of image patches dropped in training (0.5 in the
+            paper); ``None`` keeps the model config's ``patch_dropout`` (0 when unset).
+        unmasked_tune_steps: FLIP sec. 3 "unmasked tuning": the last this many optimizer steps
+            of the run train on whole images, closing the masked/unmasked distribution gap.
+        lock_image: LiT (Zhai et al. 2022): freeze the image tower, train the text tower only.
+        lock_image_unlocked_groups: with ``lock_image``, leave the last n layer groups trainable.
         optimizer: optimizer factory over parameter groups (no weight decay on biases, norms,
-            embeddings and ``logit_scale``); AdamW by default.
+            embeddings, ``logit_scale`` and ``logit_bias``); AdamW by default.
         warmup_steps: linear warm-up steps before the cosine decay.
         min_lr_ratio: final LR of the cosine as a fraction of the peak.
         logit_scale_max: clamp of the learned logit scale (CLIP: 100).
@@ -57,6 +117,14 @@ class CLIP(pl.LightningModule):
     def __init__(
         self,
         model_name: str = "ViT-B-32",
+        pretrained: Optional[str] = None,
+        loss: Literal["clip", "siglip"] = "clip",
+        init_logit_scale: Optional[float] = None,
+        init_logit_bias: Optional[float] = None,
+        image_mask_ratio: Optional[float] = None,
+        unmasked_tune_steps: int = 0,
+        lock_image: bool = False,
+        lock_image_unlocked_groups: int = 0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         warmup_steps: int = 2000,
         min_lr_ratio: float = 0.0,
@@ -64,46 +132,137 @@ class CLIP(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
+        if loss not in LOSS_INIT:
+            raise ValueError(f"model.loss: {loss!r} is not one of {sorted(LOSS_INIT)}")
+        if pretrained is not None and not os.path.isfile(pretrained):
+            raise FileNotFoundError(f"model.pretrained: no checkpoint file at {pretrained!r}")
+        if unmasked_tune_steps < 0:
+            raise ValueError(f"model.unmasked_tune_steps must be >= 0, got {unmasked_tune_steps}")
         name = resolve_model_name(model_name)
-        # Random init, logit_scale = log(1/0.07) as in CLIP; nothing is downloaded.
-        self.model = open_clip.create_model(name, pretrained=None, output_dict=True)
+        init = self._init_kwargs(loss, init_logit_scale, init_logit_bias)
+        self.model = open_clip.create_model(name, pretrained=pretrained, output_dict=True, **init)
+        bias = init.get("init_logit_bias")
+        if pretrained is not None and bias is not None and not _checkpoint_has(pretrained, "logit_bias"):
+            # open_clip fills a missing bias with 0 (its issue 712); SigLiT from a CLIP file wants b.
+            with torch.no_grad():
+                self.model.logit_bias.fill_(bias)
+        if lock_image:
+            self.model.lock_image_tower(unlocked_groups=lock_image_unlocked_groups)
+        if image_mask_ratio is None:
+            vision_cfg = open_clip.get_model_config(name)["vision_cfg"]
+            image_mask_ratio = float(vision_cfg.get("patch_dropout", 0.0))
+        self.flip = install_flip_masking(self.model.visual, image_mask_ratio)
+        self.image_mask_ratio = image_mask_ratio
         self.tokenizer: Callable = open_clip.get_tokenizer(name)
         size = self.model.visual.image_size
         self.image_size: int = size[0] if isinstance(size, (tuple, list)) else int(size)
         self.image_mean: tuple[float, ...] = tuple(self.model.visual.image_mean)
         self.image_std: tuple[float, ...] = tuple(self.model.visual.image_std)
+        self.embed_dim: int = int(open_clip.get_model_config(name)["embed_dim"])
+        self.loss_name = loss
         self.optimizer = optimizer
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.logit_scale_max = logit_scale_max
+        self.unmasked_tune_steps = unmasked_tune_steps
+        self._val_features: list[tuple[Tensor, Tensor]] = []
+
+    @staticmethod
+    def _init_kwargs(loss: str, scale: Optional[float], bias: Optional[float]) -> dict[str, float]:
+        """open_clip ``CLIP(init_logit_scale=, init_logit_bias=)`` for the chosen loss."""
+        default_scale, default_bias = LOSS_INIT[loss]
+        kwargs = {"init_logit_scale": default_scale if scale is None else scale}
+        bias = default_bias if bias is None else bias
+        if bias is not None:
+            kwargs["init_logit_bias"] = bias
+        return kwargs
 
     # Named stages, what callbacks and exports call ------------------------------------------------
 
     def encode_image(self, images: Tensor, normalize: bool = True) -> Tensor:
-        """(B, 3, H, W) images -> (B, D) embeddings."""
+        """(B, 3, H, W) images -> (B, D) embeddings (masked only in training mode with FLIP)."""
         return self.model.encode_image(images, normalize=normalize)
 
     def encode_text(self, tokens: Tensor, normalize: bool = True) -> Tensor:
         """(B, L) token ids -> (B, D) embeddings."""
         return self.model.encode_text(tokens, normalize=normalize)
 
+    # Probe hooks (added by the evaluation branch, issue 6): the protocol of
+    # mmssl.evaluation.features, over open_clip's VisionTransformer.forward_intermediates.
+
+    def forward_features(self, images: Tensor) -> Tensor:
+        """Image-tower tokens after the final norm (``ln_post``): (B, 3, H, W) -> (B, 1+L, D)."""
+        return self._visual_intermediates(images, indices=1, norm=True)[-1]  # indices=1: last block
+
+    def forward_intermediates(self, images: Tensor, pool: str = "cls", norm: bool = False) -> list[Tensor]:
+        """Pooled (B, D) output of every image-tower block, block 1 first (``pool``: cls / avg)."""
+        if pool not in ("cls", "avg"):
+            raise ValueError(f"pool must be 'cls' or 'avg', got {pool!r}")
+        tokens = self._visual_intermediates(images, norm=norm)
+        return [t[:, 0] if pool == "cls" else t[:, 1:].mean(dim=1) for t in tokens]
+
+    def _visual_intermediates(self, images: Tensor, indices=None, norm: bool = False) -> list[Tensor]:
+        visual = self.model.visual
+        if not hasattr(visual, "forward_intermediates"):
+            raise TypeError(f"image tower {type(visual).__name__} has no forward_intermediates (needs a ViT)")
+        out = visual.forward_intermediates(
+            images, indices=indices, normalize_intermediates=norm, intermediates_only=True,
+            output_fmt="NLC", output_extra_tokens=True,
+        )
+        # open_clip returns the cls token and the patch tokens apart: (B, 1, D) + (B, L, D).
+        return [torch.cat([cls, patches], dim=1) for cls, patches in
+                zip(out["image_intermediates_prefix"], out["image_intermediates"])]
+
     def forward(self, images: Tensor, tokens: Tensor) -> dict[str, Tensor]:
-        """Returns ``image_features`` (B, D), ``text_features`` (B, D), ``logit_scale`` ()."""
+        """Returns ``image_features`` (B, D), ``text_features`` (B, D), ``logit_scale`` () and,
+        for SigLIP, ``logit_bias`` (): open_clip's ``output_dict`` (scale already exponentiated)."""
         return self.model(images, tokens)
+
+    # Loss ----------------------------------------------------------------------------------------
+
+    def contrastive_loss(self, out: dict[str, Tensor]) -> Tensor:
+        """This rank's share of the global-batch loss from ``forward``'s output.
+
+        Gathers both modalities from every rank with gradients (a no-op on one process). The
+        mean over ranks of the returned losses is the loss of one process on the concatenated
+        batch, and Lightning DDP averages gradients over ranks, so the update is exactly that of
+        the single-process global batch (tests/test_distributed.py proves it on 2 processes).
+
+        Args:
+            out: ``image_features`` (B, D), ``text_features`` (B, D), ``logit_scale`` and,
+                for SigLIP, ``logit_bias``.
+
+        Returns:
+            Scalar loss.
+        """
+        image, text = out["image_features"], out["text_features"]
+        offset = rank() * image.shape[0]  # training batches are equal on every rank
+        all_text = gather_with_grad(text)  # (N, D)
+        if all_text.shape[0] != world_size() * text.shape[0]:
+            raise RuntimeError(
+                "the contrastive loss needs the same batch size on every rank (drop partial batches)"
+            )
+        if self.loss_name == "siglip":
+            return siglip_loss(image, text, out["logit_scale"], out["logit_bias"], all_text, offset)
+        all_image = gather_with_grad(image)  # (N, D)
+        return clip_loss(image, text, out["logit_scale"], all_image, all_text, offset)
 
     # Training ----------------------------------------------------------------------------------
 
-    def _loss(self, batch: dict[str, Tensor]) -> Tensor:
-        out = self(batch["image"], batch["text"])
-        return clip_loss(out["image_features"], out["text_features"], out["logit_scale"])
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # FLIP's unmasked tuning: whole images for the final ``unmasked_tune_steps`` steps.
+        if self.unmasked_tune_steps:
+            total = int(self.trainer.estimated_stepping_batches)
+            tuning = self.trainer.global_step >= total - self.unmasked_tune_steps
+            self.flip.ratio = 0.0 if tuning else self.image_mask_ratio
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
+        loss = self.contrastive_loss(self(batch["image"], batch["text"]))
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/logit_scale", self.model.logit_scale.exp().detach())
+        if self.model.logit_bias is not None:
+            self.log("train/logit_bias", self.model.logit_bias.detach())
+        self.log("train/image_mask_ratio", float(self.flip.ratio))
         return loss
-
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self.log("val/loss", self._loss(batch), sync_dist=True, batch_size=batch["image"].shape[0])
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # CLIP sec. 2.5: the temperature is clipped so logits are scaled by at most 100.
@@ -115,3 +274,32 @@ class CLIP(pl.LightningModule):
         total = self.trainer.estimated_stepping_batches
         scheduler = warmup_cosine(optimizer, self.warmup_steps, total, self.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # Validation: loss per rank, retrieval over the whole held-out set ------------------------------
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_features = []
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        out = self(batch["image"], batch["text"])  # eval mode: unmasked
+        # Per-rank loss (the last batch may be partial), averaged over ranks by Lightning.
+        image, text, scale = out["image_features"], out["text_features"], out["logit_scale"]
+        if self.loss_name == "siglip":
+            loss = siglip_loss(image, text, scale, out["logit_bias"])
+        else:
+            loss = clip_loss(image, text, scale)
+        self.log("val/loss", loss, sync_dist=True, batch_size=batch["image"].shape[0])
+        self._val_features.append((image.float(), text.float()))
+
+    def on_validation_epoch_end(self) -> None:
+        # A rank without validation batches still joins the gather, with no rows.
+        empty = [(self.model.logit_scale.new_zeros(0, self.embed_dim),) * 2]
+        pairs, self._val_features = self._val_features or empty, []
+        image = F.normalize(torch.cat([p[0] for p in pairs]), dim=-1)  # (n_r, D)
+        text = F.normalize(torch.cat([p[1] for p in pairs]), dim=-1)
+        # Every rank gathers every pair, so each computes (and logs) the same recall.
+        image, text = gather_with_grad(image), gather_with_grad(text)  # (N, D)
+        if image.shape[0] == 0:
+            return
+        for key, value in retrieval_metrics(image, text).items():
+            self.log(f"val/{key}", value)

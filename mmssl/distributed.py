@@ -1,0 +1,59 @@
+"""Rank, world size and the ONE cross-rank gather of mmssl.
+
+Every feature that crosses ranks (the contrastive losses' columns, the retrieval metrics'
+embeddings) goes through :func:`gather_with_grad`, as open_clip routes both through
+``loss.gather_features``. Outside ``torch.distributed`` (one CPU process, tests, notebooks) the
+helpers answer rank 0 / world 1 and the gather is the identity, like lightly's ``utils/dist.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import Tensor
+
+
+def is_distributed() -> bool:
+    """True inside an initialised ``torch.distributed`` process group (Lightning DDP, torchrun)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's global rank; 0 when not distributed."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """Number of processes; 1 when not distributed."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def gather_with_grad(x: Tensor) -> Tensor:
+    """Concatenate ``x`` from every rank in rank order, with gradients flowing back to each owner.
+
+    open_clip ``loss.gather_features(gather_with_grad=True)``: ``torch.distributed.nn``'s
+    all-gather is differentiable, and its backward sums the incoming gradients of each slice over
+    ranks and returns them to the rank that produced it, so rank r's features get the gradient of
+    every rank's loss terms that use them. Leading sizes may differ between ranks (the last
+    validation batch): sizes are exchanged first, shorter tensors padded, the padding cut away.
+
+    Args:
+        x: (B_r, ...) this rank's rows; B_r may differ per rank, the other dims may not.
+
+    Returns:
+        (sum_r B_r, ...) rows of rank 0, then rank 1, ...; ``x`` itself when not distributed.
+    """
+    if not is_distributed():
+        return x
+    world = dist.get_world_size()
+    size = torch.tensor([x.shape[0]], device=x.device, dtype=torch.long)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    counts = [int(s.item()) for s in sizes]
+    longest = max(counts)
+    if x.shape[0] < longest:
+        pad = x.new_zeros((longest - x.shape[0], *x.shape[1:]))
+        x = torch.cat([x, pad], dim=0)  # (longest, ...)
+    parts = dist_fn.all_gather(x)  # world x (longest, ...), differentiable
+    return torch.cat([part[:n] for part, n in zip(parts, counts)], dim=0)

@@ -1,0 +1,130 @@
+"""What the probe callbacks share: when to run, which data, and one cached feature extraction.
+
+The linear-probe and k-NN callbacks read the same labelled sets through the same frozen model;
+when both run on one validation with the same settings, the features are extracted once and
+the second callback reuses them (cache keyed by trainer, step and settings).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import lightning.pytorch as pl
+import torch
+
+from mmssl.data.labeled import labeled_loader, read_classnames
+from mmssl.data.transforms import eval_transform
+from mmssl.evaluation.features import FeatureSet, extract, gather_feature_set
+
+
+def should_run(trainer: pl.Trainer, every_n_epochs: int) -> bool:
+    """On ``validate`` always; in ``fit`` after every n-th epoch, never in the sanity check."""
+    if trainer.sanity_checking:
+        return False
+    if trainer.state.fn != "fit":
+        return True
+    return (trainer.current_epoch + 1) % every_n_epochs == 0
+
+
+def default_data(trainer: pl.Trainer, train_data: Optional[str], val_data: Optional[str], who: str) -> tuple[str, str]:
+    """The labelled (train, val) sets: the callback's own, else the data module's.
+
+    The data module's training shards must carry ``cls`` (the demo's do); its held-out labelled
+    set is ``eval_data`` (the demo) or ``val_data``.
+    """
+    dm = trainer.datamodule
+    train = train_data or getattr(dm, "train_data", None)
+    val = val_data or getattr(dm, "eval_data", None) or getattr(dm, "val_data", None)
+    if not train or not val:
+        raise ValueError(
+            f"{who}: set init_args.train_data and init_args.val_data to labelled sets (shards with "
+            "cls, or image folders); the data module offers none"
+        )
+    return train, val
+
+
+def num_classes_of(train: str, val: str, labels: torch.Tensor) -> int:
+    """C from ``classnames.txt`` of the val (or train) set, else from the largest label seen."""
+    for data in (val, train):
+        try:
+            return len(read_classnames(data))
+        except FileNotFoundError:
+            continue
+    return int(labels.max()) + 1
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """Settings that determine the extracted features (the cache key, with the step)."""
+
+    train_data: str
+    val_data: str
+    feature: str
+    layers: bool
+    batch_size: int
+    num_workers: int
+    max_train_samples: Optional[int]
+
+
+@dataclass
+class ProbeFeatures:
+    """All ranks' training features (identical on every rank) and this rank's val features."""
+
+    train: FeatureSet
+    val: FeatureSet
+    num_classes: int
+
+
+_cache: dict[tuple, ProbeFeatures] = {}
+
+
+def _loader(trainer: pl.Trainer, pl_module: pl.LightningModule, data: str, spec: ProbeSpec, limit: Optional[int]):
+    transform = eval_transform(pl_module.image_size, pl_module.image_mean, pl_module.image_std)
+    loader = labeled_loader(
+        data, transform, spec.batch_size, spec.num_workers, trainer.global_rank, trainer.world_size
+    )
+    if limit is None:
+        return loader
+    per_rank = -(-limit // trainer.world_size)  # ceil: every rank takes its share of the limit
+    return itertools.islice(loader, -(-per_rank // spec.batch_size))
+
+
+def probe_features(trainer: pl.Trainer, pl_module: pl.LightningModule, spec: ProbeSpec) -> ProbeFeatures:
+    """Extract (or reuse) frozen features of the labelled train and val sets.
+
+    Each rank extracts its own part of both sets; the train parts are gathered with the
+    strategy's ``all_gather`` (so every rank fits the same probe), the val parts stay local and
+    the metrics reduce across ranks.
+    """
+    key = (id(trainer), trainer.global_step, trainer.current_epoch, str(trainer.state.fn))
+    for layers in ((True, False) if not spec.layers else (True,)):
+        hit = _cache.get(key + (ProbeSpec(**{**spec.__dict__, "layers": layers}),))
+        if hit is not None:
+            return hit  # a layer-wise extraction holds the final features too
+    _cache.clear()
+
+    def context():
+        return trainer.precision_plugin.forward_context()
+
+    def run(data: str, limit: Optional[int]) -> FeatureSet:
+        batches = _loader(trainer, pl_module, data, spec, limit)
+        return extract(pl_module, batches, spec.feature, spec.layers, pl_module.device, context)
+
+    train_local = run(spec.train_data, spec.max_train_samples)
+    val = run(spec.val_data, None)
+    train = gather_feature_set(
+        train_local, lambda t: pl_module.all_gather(t.to(pl_module.device)), trainer.world_size
+    )
+    if len(train) == 0:
+        raise ValueError(f"labelled train set {spec.train_data!r} yielded no samples")
+    result = ProbeFeatures(train, val, num_classes_of(spec.train_data, spec.val_data, train.labels))
+    _cache[key + (spec,)] = result
+    return result
+
+
+def run_folder(trainer: pl.Trainer) -> str:
+    """Where PNGs go: the run folder (the loggers' ``log_dir``), else ``default_root_dir``."""
+    return trainer.log_dir or trainer.default_root_dir or os.getcwd()

@@ -1,0 +1,98 @@
+"""Zero-shot classification (CLIP sec. 3.1.2): prompt ensembles -> a text classifier -> accuracy.
+
+Pure functions over a CLIP-like module (``encode_image``, ``encode_text``, ``tokenizer``), used by
+the ``ZeroShot`` callback and ``tools/zero_shot.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics.aggregation import SumMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from mmssl.evaluation.features import frozen_eval
+
+
+@torch.no_grad()
+def build_zero_shot_classifier(
+    encode_text: Callable[[Tensor], Tensor],
+    tokenizer: Callable[[list[str]], Tensor],
+    classnames: Sequence[str],
+    templates: Sequence[str],
+    device: torch.device,
+    batch_size: int = 256,
+) -> Tensor:
+    """Average the normalised embeddings of every prompt of a class (CLIP's prompt ensembling).
+
+    All C x T prompts are encoded in batches of ``batch_size`` (open_clip's
+    ``build_zero_shot_classifier`` batches the same way), not one class at a time.
+
+    Args:
+        encode_text: (N, L) tokens -> (N, D) embeddings.
+        tokenizer: list of strings -> (N, L) tokens.
+        classnames: C class names.
+        templates: T prompt templates with a ``{c}`` placeholder.
+        device: where the tokens go.
+        batch_size: prompts per text-tower batch.
+
+    Returns:
+        (D, C) classifier: column c is the renormalised mean prompt embedding of class c.
+    """
+    prompts = [t.format(c=name) for name in classnames for t in templates]  # class-major, C*T
+    embeddings = []
+    for start in range(0, len(prompts), batch_size):
+        tokens = tokenizer(prompts[start : start + batch_size]).to(device)  # (b, L)
+        embeddings.append(F.normalize(encode_text(tokens).float(), dim=-1))
+    emb = torch.cat(embeddings).reshape(len(classnames), len(templates), -1)  # (C, T, D)
+    return F.normalize(emb.mean(dim=1), dim=-1).T  # (D, C)
+
+
+def zero_shot_metrics(num_classes: int, device: torch.device) -> dict[str, MulticlassAccuracy]:
+    """Top-1 and top-5 (when C >= 5) accuracy metrics, which reduce across ranks on compute."""
+    return {
+        f"top{k}": MulticlassAccuracy(num_classes=num_classes, top_k=k, average="micro").to(device)
+        for k in (1, 5) if k <= num_classes
+    }
+
+
+@torch.no_grad()
+def zero_shot_evaluate(
+    model: nn.Module,
+    batches,
+    classnames: Sequence[str],
+    templates: Sequence[str],
+    device: torch.device,
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, Tensor]:
+    """Zero-shot top-1/top-5 of ``model`` (``encode_image``, ``encode_text``, ``tokenizer``).
+
+    The text classifier is built once, then every batch is scored against it; the torchmetrics
+    accuracies reduce over ranks when a process group is up, so every rank returns the total.
+
+    Args:
+        model: the CLIP-like module (left in its original state afterwards).
+        batches: this rank's ``{"image", "label"}`` batches.
+        classnames: C class names in label order.
+        templates: prompt templates with ``{c}``.
+        device: the model's device.
+        context: precision context entered around forwards.
+
+    Returns:
+        ``{"top1": ..., "top5": ...}`` and ``"num_samples"`` (all ranks).
+    """
+    metrics = zero_shot_metrics(len(classnames), device)
+    count = SumMetric().to(device)  # samples seen, summed over ranks like the accuracies
+    with frozen_eval(model), context():
+        classifier = build_zero_shot_classifier(model.encode_text, model.tokenizer, classnames, templates, device)
+        for batch in batches:
+            features = F.normalize(model.encode_image(batch["image"].to(device)).float(), dim=-1)
+            logits = features @ classifier  # (B, C)
+            for metric in metrics.values():
+                metric.update(logits, batch["label"].to(device))
+            count.update(torch.tensor(float(batch["label"].shape[0]), device=device))
+    return {**{k: m.compute() for k, m in metrics.items()}, "num_samples": count.compute()}

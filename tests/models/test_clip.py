@@ -1,0 +1,134 @@
+"""The CLIP module: loss choice and init, FLIP masking and its FLOPs, towers, LiT, optimizer groups."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from mmssl.models.clip import CLIP, retrieval_metrics
+from mmssl.optim import param_groups
+
+REPO = Path(__file__).resolve().parents[2]
+TIMM_JSON = str(REPO / "configs/models/clip_micro_timm.json")
+FLOPS_JSON = str(REPO / "configs/models/clip_tiny.json")  # 64 patches, 3 blocks: the patches dominate
+
+
+def _images(model: CLIP, n: int = 2) -> torch.Tensor:
+    return torch.randn(n, 3, model.image_size, model.image_size, generator=torch.Generator().manual_seed(0))
+
+
+def _tokens_per_image(model: CLIP, blocks: torch.nn.Module) -> int:
+    """Sequence length the first transformer block of the image tower sees."""
+    seen: list[torch.Size] = []
+    handle = blocks[0].register_forward_hook(lambda mod, inputs, out: seen.append(inputs[0].shape))
+    model.encode_image(_images(model))
+    handle.remove()
+    return seen[0][1]  # both towers run batch-first: (B, L, D)
+
+
+def test_loss_initialisation(tiny_clip_json):
+    clip = CLIP(tiny_clip_json)
+    assert clip.model.logit_scale.exp().item() == pytest.approx(1 / 0.07, rel=1e-5)
+    assert clip.model.logit_bias is None
+    siglip = CLIP(tiny_clip_json, loss="siglip")  # SigLIP sec. 3.2: t = 10, b = -10
+    assert siglip.model.logit_scale.exp().item() == pytest.approx(10.0, rel=1e-5)
+    assert siglip.model.logit_bias.item() == pytest.approx(-10.0)
+    with pytest.raises(ValueError, match="model.loss"):
+        CLIP(tiny_clip_json, loss="triplet")
+
+
+def test_logit_scale_is_clamped_at_100_after_a_step(tiny_clip_json):
+    model = CLIP(tiny_clip_json)
+    with torch.no_grad():
+        model.model.logit_scale.fill_(math.log(500.0))
+    model.on_train_batch_end(None, None, 0)
+    assert model.model.logit_scale.exp().item() == pytest.approx(100.0, rel=1e-5)
+
+
+def test_flip_masks_half_the_patches_in_training_only(tiny_clip_json):
+    model = CLIP(tiny_clip_json, image_mask_ratio=0.5)  # 32 px / patch 8: 16 patches + cls
+    blocks = model.model.visual.transformer.resblocks
+    model.train()
+    assert _tokens_per_image(model, blocks) == 1 + 8
+    model.eval()  # evaluation and zero-shot see every patch, deterministically
+    assert _tokens_per_image(model, blocks) == 1 + 16
+    images = _images(model)
+    torch.testing.assert_close(model.encode_image(images), model.encode_image(images))
+
+
+def test_flip_halves_the_image_tower_flops(tiny_clip_json):
+    def image_tower_flops(ratio: float) -> int:
+        model = CLIP(FLOPS_JSON, image_mask_ratio=ratio).train()
+        # FlopCounterMode has no formula for the fused CPU attention kernels: count with math SDPA.
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            model.encode_image(_images(model))
+        return counter.get_total_flops()
+
+    full, masked = image_tower_flops(0.0), image_tower_flops(0.5)
+    # 33 of 65 tokens per block; the patch embedding still runs on the whole image.
+    assert 0.45 < masked / full < 0.6, (masked, full)
+
+
+def test_timm_image_tower_from_json_with_flip_masking():
+    model = CLIP(TIMM_JSON, image_mask_ratio=0.5)  # timm "test_vit": random init, no download
+    trunk = model.model.visual.trunk
+    assert trunk.patch_drop is model.flip
+    patches = (model.image_size // 16) ** 2
+    model.train()
+    assert _tokens_per_image(model, trunk.blocks) == 1 + patches // 2
+    model.eval()
+    assert _tokens_per_image(model, trunk.blocks) == 1 + patches
+    out = model(_images(model), model.tokenizer(["a red circle", "a blue square"]))
+    assert out["image_features"].shape == (2, model.embed_dim)
+
+
+def test_every_parameter_gets_a_gradient(tiny_clip_json):
+    for loss in ("clip", "siglip"):
+        model = CLIP(tiny_clip_json, loss=loss, image_mask_ratio=0.5)
+        out = model(_images(model, 4), model.tokenizer(["a", "b", "c", "d"]))
+        model.contrastive_loss(out).backward()
+        missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+        assert not missing, f"{loss}: no gradient for {missing}"
+
+
+def test_no_weight_decay_on_biases_norms_embeddings_and_logit_parameters(tiny_clip_json):
+    model = CLIP(tiny_clip_json, loss="siglip")
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay, no_decay = (sorted(names[id(p)] for p in g["params"]) for g in param_groups(model, 0.2))
+    assert param_groups(model, 0.2)[1]["weight_decay"] == 0.0
+    for name in no_decay:
+        assert any(k in name for k in ("bias", "ln_", "embedding", "logit_")), name
+    for expected in ("model.logit_scale", "model.logit_bias", "model.positional_embedding",
+                     "model.token_embedding.weight", "model.visual.class_embedding",
+                     "model.visual.positional_embedding", "model.ln_final.weight"):
+        assert expected in no_decay
+    assert decay and all(model.get_parameter(n).ndim >= 2 for n in decay)
+    assert not any("embedding" in n or "ln_" in n or n.endswith("bias") for n in decay)
+
+
+def test_lock_image_freezes_the_image_tower_only(tiny_clip_json):
+    model = CLIP(tiny_clip_json, lock_image=True)
+    assert not any(p.requires_grad for p in model.model.visual.parameters())
+    assert all(p.requires_grad for p in model.model.transformer.parameters())
+    grouped = {id(p) for g in param_groups(model) for p in g["params"]}
+    assert not grouped & {id(p) for p in model.model.visual.parameters()}
+
+
+def test_retrieval_metrics_rank_the_matching_caption():
+    features = torch.nn.functional.normalize(torch.randn(20, 8), dim=-1)
+    perfect = retrieval_metrics(features, features)
+    assert all(v == 1.0 for v in perfect.values()) and len(perfect) == 6
+    shifted = retrieval_metrics(features, features.roll(1, dims=0))
+    assert shifted["i2t_R@1"] == 0.0 and shifted["t2i_R@1"] == 0.0
+
+
+def test_bad_inputs_name_the_key(tiny_clip_json, tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.pretrained"):
+        CLIP(tiny_clip_json, pretrained=str(tmp_path / "missing.pt"))
+    with pytest.raises(ValueError, match="model.image_mask_ratio"):
+        CLIP(tiny_clip_json, image_mask_ratio=1.0)

@@ -1,0 +1,131 @@
+"""2 gloo CPU processes give exactly what one process gives on the concatenated batch.
+
+For each loss, each rank runs its half of the batch through the CLIP module wrapped in torch's
+DistributedDataParallel (what Lightning's DDP strategy wraps it in), so the gradients are
+averaged over ranks as in training. The loss averaged over ranks and every parameter gradient
+must equal one process's on the whole batch. Each rank's loss must also equal open_clip's own
+distributed loss (``ClipLoss(local_loss=True, gather_with_grad=True)``, ``SigLipLoss``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from open_clip.loss import ClipLoss, SigLipLoss
+from torch.nn.parallel import DistributedDataParallel
+
+from mmssl.distributed import gather_with_grad, rank, world_size
+from mmssl.models.clip import CLIP, retrieval_metrics
+
+WORLD = 2
+BATCH = 8  # global; 4 per rank
+CAPTIONS = [f"a {c} {s}" for c in ("red", "blue") for s in ("circle", "square", "star", "cross")]
+
+
+def _batch(model: CLIP) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    images = torch.randn(BATCH, 3, model.image_size, model.image_size, generator=g)
+    return images, model.tokenizer(CAPTIONS)
+
+
+def _model(json_path: str, loss: str) -> CLIP:
+    torch.manual_seed(0)  # identical initial weights in every process
+    return CLIP(json_path, loss=loss)
+
+
+def _reference(json_path: str, loss: str) -> tuple[float, dict[str, torch.Tensor]]:
+    model = _model(json_path, loss)
+    images, tokens = _batch(model)
+    value = model.contrastive_loss(model(images, tokens))
+    value.backward()
+    return value.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _uneven_features() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    image = F.normalize(torch.randn(11, 16, generator=g), dim=-1)
+    return image, F.normalize(image + 0.8 * torch.randn(11, 16, generator=g), dim=-1)
+
+
+def _worker(local_rank: int, init_file: str, json_path: str, out_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=local_rank, world_size=WORLD)
+    results: dict = {"rank": rank(), "world": world_size()}
+    for loss in ("clip", "siglip"):
+        model = _model(json_path, loss)
+        images, tokens = _batch(model)
+        rows = slice(local_rank * BATCH // WORLD, (local_rank + 1) * BATCH // WORLD)
+        ddp = DistributedDataParallel(model)
+        out = ddp(images[rows], tokens[rows])
+        value = model.contrastive_loss(out)
+        if loss == "clip":
+            reference = ClipLoss(local_loss=True, gather_with_grad=True, rank=local_rank, world_size=WORLD)
+            theirs = reference(out["image_features"], out["text_features"], out["logit_scale"])
+        else:
+            reference = SigLipLoss(rank=local_rank, world_size=WORLD)
+            theirs = reference(out["image_features"], out["text_features"], out["logit_scale"], out["logit_bias"])
+        value.backward()  # DDP averages the gradients over the 2 ranks here
+        mean_loss = value.detach().clone()
+        dist.all_reduce(mean_loss)
+        results[loss] = {
+            "loss": mean_loss.item() / WORLD,
+            "local": value.item(),
+            "open_clip": theirs.item(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        }
+    # Retrieval on uneven shares (7 + 4 rows): gathered in rank order, scored on every rank.
+    image, text = _uneven_features()
+    mine = slice(0, 7) if local_rank == 0 else slice(7, 11)
+    results["retrieval"] = retrieval_metrics(gather_with_grad(image[mine]), gather_with_grad(text[mine]))
+    torch.save(results, f"{out_file}.{local_rank}")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory, tiny_clip_json) -> list[dict]:
+    folder = tmp_path_factory.mktemp("dist")
+    out_file = str(folder / "results")
+    # fork: the children inherit the imported modules instead of importing them again (seconds).
+    mp.start_processes(
+        _worker, args=(str(folder / "init"), tiny_clip_json, out_file), nprocs=WORLD, start_method="fork"
+    )
+    return [torch.load(f"{out_file}.{r}", weights_only=False) for r in range(WORLD)]
+
+
+def test_helpers_answer_rank_and_world(two_process_results):
+    assert [r["rank"] for r in two_process_results] == [0, 1]
+    assert all(r["world"] == WORLD for r in two_process_results)
+    assert (rank(), world_size()) == (0, 1)  # this, undistributed, process
+
+
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_two_ranks_equal_one_process_on_the_whole_batch(two_process_results, tiny_clip_json, loss):
+    ref_loss, ref_grads = _reference(tiny_clip_json, loss)
+    for result in two_process_results:
+        got = result[loss]
+        assert got["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+        # Each rank's share is what open_clip's own distributed loss computes.
+        assert got["local"] == pytest.approx(got["open_clip"], rel=1e-5, abs=1e-6)
+        assert set(got["grads"]) == set(ref_grads)
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(got["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    # The bias only exists, and only learns, with the sigmoid loss.
+    assert ("model.logit_bias" in ref_grads) == (loss == "siglip")
+
+
+def test_retrieval_is_the_same_on_two_ranks_with_uneven_shares(two_process_results):
+    image, text = _uneven_features()
+    expected = retrieval_metrics(image, text)
+    for result in two_process_results:
+        assert result["retrieval"] == pytest.approx(expected)
+    assert 0 < expected["i2t_R@1"] <= expected["i2t_R@5"] <= expected["i2t_R@10"] == 1.0
+
+
+def test_gather_is_identity_without_a_process_group():
+    x = torch.randn(3, 4, requires_grad=True)
+    assert gather_with_grad(x) is x

@@ -1,0 +1,46 @@
+"""A 2-node job without a cluster: torchrun with 2 nodes x 1 process on localhost."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_nodes_each_read_their_own_shards(tmp_path, tiny_demo, tiny_clip_json):
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+            "-m", "mmssl", "fit",
+            "--config", str(REPO / "configs/demo/clip.yaml"),
+            "--config", str(REPO / "configs/trainer/ddp_cpu.yaml"),
+            "--trainer.num_nodes=2", "--trainer.devices=1",
+            f"--model.init_args.model_name={tiny_clip_json}",
+            f"--data.init_args.demo_dir={tiny_demo.root}", "--data.init_args.batch_size=4",
+            "--data.init_args.num_workers=0", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+            f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false",
+            "--trainer.callbacks+=helpers.DumpShards", f"--trainer.callbacks.folder={tmp_path / 'shards'}",
+        ], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    ranks = [json.loads((tmp_path / "shards" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["node_rank"] for r in ranks] == [0, 1]
+    assert all(r["world_size"] == 2 and r["environment"] == "TorchElasticEnvironment" for r in ranks)
+    node0, node1 = set(ranks[0]["shards"]), set(ranks[1]["shards"])
+    assert node0 and node1 and not node0 & node1  # each node reads its own part...
+    assert len(node0 | node1) == 4  # ...and together they read every training shard

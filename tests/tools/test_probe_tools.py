@@ -1,0 +1,85 @@
+"""tools/linear_probe.py and tools/zero_shot.py on tiny checkpoints of each kind users have."""
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+from mmssl.cli import main
+from mmssl.models.clip import CLIP
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_tool(name: str, args: list[str], monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", [name, *args])
+    runpy.run_path(str(REPO / "tools" / name), run_name="__main__")
+
+
+@pytest.fixture(scope="module")
+def lightning_ckpt(tiny_demo, tiny_clip_json, tmp_path_factory) -> Path:
+    """A checkpoint written by ``mmssl fit`` (1 step), as users have them."""
+    root = tmp_path_factory.mktemp("fit")
+    main([
+        "fit", "--config", str(REPO / "configs/demo/clip.yaml"),
+        f"--model.init_args.model_name={tiny_clip_json}",
+        f"--data.init_args.train_data={tiny_demo.train}", f"--data.init_args.val_data={tiny_demo.val}",
+        "--data.init_args.train_num_samples=16", "--data.init_args.batch_size=16",
+        "--data.init_args.num_workers=0", "--trainer.max_steps=1", "--trainer.limit_val_batches=1",
+        "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={root}",
+    ])
+    return next(root.glob("version_*/checkpoints/*.ckpt"))
+
+
+def test_linear_probe_tool_on_lightning_checkpoint(lightning_ckpt, tiny_demo, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "probe.json"
+    run_tool("linear_probe.py", [
+        "--ckpt", str(lightning_ckpt), "--train-data", tiny_demo.train, "--val-data", tiny_demo.eval_dir,
+        "--layers", "all", "--output-json", str(out),
+    ], monkeypatch)
+    result = json.loads(out.read_text())
+    assert result["model"] == "CLIP" and result["feature"] == "cls" and result["method"] == "lbfgs"
+    assert (result["num_train"], result["num_val"], result["num_classes"]) == (64, 32, 36)
+    assert 0 <= result["top1"] <= result["top5"] <= 1 and 0 <= result["knn_top1"] <= 1
+    assert [layer["block"] for layer in result["layers"]] == [1]  # the tiny CLIP has one block
+    assert "top1" in capsys.readouterr().out
+
+
+def test_zero_shot_tool_on_lightning_and_open_clip_files(lightning_ckpt, tiny_demo, tiny_clip_json, tmp_path, monkeypatch):
+    run_tool("zero_shot.py", ["--ckpt", str(lightning_ckpt), "--data", tiny_demo.eval_dir,
+                              "--output-json", str(tmp_path / "a.json")], monkeypatch)
+    from_ckpt = json.loads((tmp_path / "a.json").read_text())
+    # The same weights as a plain open_clip state dict give the same figures.
+    state = torch.load(lightning_ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    open_clip_sd = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    torch.save(open_clip_sd, tmp_path / "open_clip.pt")
+    run_tool("zero_shot.py", ["--ckpt", str(tmp_path / "open_clip.pt"), "--model", tiny_clip_json,
+                              "--data", tiny_demo.eval_dir, "--output-json", str(tmp_path / "b.json")], monkeypatch)
+    from_state_dict = json.loads((tmp_path / "b.json").read_text())
+    assert from_ckpt["num_samples"] == 32 and from_ckpt["num_templates"] == 5
+    for key in ("top1", "top5", "num_samples"):
+        assert from_ckpt[key] == pytest.approx(from_state_dict[key])
+
+
+def test_linear_probe_tool_on_timm_state_dict(tiny_demo, tmp_path, monkeypatch):
+    kwargs = {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 2, "num_heads": 2}
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, **kwargs)
+    torch.save(vit.state_dict(), tmp_path / "vit.pth")
+    out = tmp_path / "probe.json"
+    run_tool("linear_probe.py", [
+        "--ckpt", str(tmp_path / "vit.pth"), "--model", "vit_tiny_patch16_224", "--model-kwargs", json.dumps(kwargs),
+        "--train-data", tiny_demo.train, "--val-data", tiny_demo.eval_dir, "--feature", "avg",
+        "--layers", "all", "--method", "mae", "--epochs", "2", "--output-json", str(out),
+    ], monkeypatch)
+    result = json.loads(out.read_text())
+    assert result["feature"] == "avg" and result["method"] == "mae" and result["feature_dim"] == 32
+    assert len(result["layers"]) == 2 and result["num_train"] == 64
+
+
+def test_tool_names_a_missing_checkpoint(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="--ckpt"):
+        run_tool("zero_shot.py", ["--ckpt", str(tmp_path / "none.ckpt"), "--data", str(tmp_path)], monkeypatch)

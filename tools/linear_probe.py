@@ -1,0 +1,60 @@
+"""Linear-probe (and k-NN) a saved model on labelled sets; print a table, write JSON.
+
+    python tools/linear_probe.py --ckpt runs/demo_clip/version_0/checkpoints/last.ckpt \
+        --train-data ~/.cache/mmssl/demo/train --val-data ~/.cache/mmssl/demo/val \
+        --layers all --output-json results.json
+
+``--ckpt`` takes an mmssl Lightning checkpoint (its LightningModule class is read from the
+checkpoint or the run's config.yaml), or an exported state dict with ``--model``: a timm name
+(``vit_base_patch16_224``, extra ``--model-kwargs '{"img_size": 32}'``) or an open_clip name /
+JSON config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Optional
+
+from mmssl.evaluation.encoders import load_model
+from mmssl.evaluation.offline import emit_report, linear_probe_report
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="Lightning .ckpt, or a state dict with --model")
+    p.add_argument("--model", help="architecture of a state-dict file: timm name, open_clip name or .json")
+    p.add_argument("--model-kwargs", type=json.loads, default=None, help="JSON dict for timm.create_model")
+    p.add_argument("--model-class", help="LightningModule class path if the checkpoint records none")
+    p.add_argument("--train-data", required=True, help="labelled train set: shard folder/pattern or image folder")
+    p.add_argument("--val-data", required=True, help="labelled evaluation set")
+    p.add_argument("--feature", choices=("cls", "avg", "embedding"), default="cls")
+    p.add_argument("--method", choices=("lbfgs", "mae"), default="lbfgs",
+                   help="lbfgs: exact logistic regression (fast); mae: MAE paper BatchNorm + LARS recipe")
+    p.add_argument("--layers", choices=("all", "none"), default="none", help="probe every block too")
+    p.add_argument("--weight-decay", type=float, default=1e-4, help="lbfgs L2 penalty")
+    p.add_argument("--epochs", type=int, default=90, help="mae recipe epochs")
+    p.add_argument("--knn-k", type=int, default=20, help="k of the weighted k-NN (0: skip)")
+    p.add_argument("--knn-temperature", type=float, default=0.07)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--output-json", help="write the results here")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = parse_args(argv)
+    model = load_model(args.ckpt, args.model, args.model_kwargs, args.model_class)
+    fit_kwargs = {"weight_decay": args.weight_decay} if args.method == "lbfgs" else {"epochs": args.epochs}
+    report = linear_probe_report(
+        model, args.train_data, args.val_data, args.feature, args.method, args.layers == "all",
+        args.knn_k, args.knn_temperature, args.batch_size, args.num_workers, fit_kwargs=fit_kwargs,
+    )
+    report = {"checkpoint": args.ckpt, "model": args.model or type(model).__name__,
+              "train_data": args.train_data, "val_data": args.val_data, **report}
+    emit_report(report, f"linear probe of {args.ckpt}", args.output_json)
+    return report
+
+
+if __name__ == "__main__":
+    main()

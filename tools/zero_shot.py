@@ -1,0 +1,45 @@
+"""Zero-shot accuracy of a saved CLIP model on a labelled set; print a table, write JSON.
+
+    python tools/zero_shot.py --ckpt runs/demo_clip/version_0/checkpoints/last.ckpt \
+        --data ~/.cache/mmssl/demo/val --output-json results.json
+
+The set holds shards with ``cls`` (or class folders) and ``classnames.txt``; prompts come from
+``zeroshot_classification_templates.txt`` beside it, ``--templates``, or CLIP's 80 ImageNet
+templates. ``--ckpt`` takes an mmssl Lightning checkpoint or an open_clip state dict with
+``--model NAME-or-json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from mmssl.evaluation.encoders import load_model
+from mmssl.evaluation.offline import emit_report, zero_shot_report
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="Lightning .ckpt, or an open_clip state dict with --model")
+    p.add_argument("--model", help="open_clip model name or .json config of a state-dict file")
+    p.add_argument("--model-class", help="LightningModule class path if the checkpoint records none")
+    p.add_argument("--data", required=True, help="labelled set: shard folder/pattern or image folder")
+    p.add_argument("--classnames", help="class-names file (default: classnames.txt beside the data)")
+    p.add_argument("--templates", help="templates file (default: beside the data, else the 80 OpenAI ones)")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--output-json", help="write the results here")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    args = parse_args(argv)
+    model = load_model(args.ckpt, args.model, None, args.model_class)
+    report = zero_shot_report(model, args.data, args.classnames, args.templates, args.batch_size, args.num_workers)
+    report = {"checkpoint": args.ckpt, "model": args.model or type(model).__name__, "data": args.data, **report}
+    emit_report(report, f"zero-shot of {args.ckpt}", args.output_json)
+    return report
+
+
+if __name__ == "__main__":
+    main()
