@@ -43,7 +43,7 @@ def extract(model, folder: str, limit: int, batch_size: int = 500) -> tuple[dict
     std = model.image_std if model is not None else (1.0, 1.0, 1.0)
     feats: dict[str, list[torch.Tensor]] = {}
     labels, seen = [], 0
-    for batch in labeled_loader(folder, eval_transform(size, mean, std), batch_size, split=None, image_key="png"):
+    for batch in labeled_loader(folder, eval_transform(size, mean, std), batch_size, image_key="png"):
         images = batch["image"][: limit - seen]
         if model is None:
             out = {"pixels": images[:, 0].flatten(1)}  # grey images: one channel holds them all

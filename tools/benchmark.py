@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--accelerator", help="cpu, gpu or auto (default: the config's)")
     parser.add_argument("--batch-size", type=int, help="per-device batch size (data.init_args.batch_size)")
     parser.add_argument("--patch-dropout", type=float, help="drop this fraction of image patches (both tools)")
+    parser.add_argument("--flip", type=float, help="mmssl's FLIP mask ratio vs open_clip's --force-patch-dropout")
     parser.add_argument("--compare-open-clip", action="store_true", help="also run open_clip_train")
     parser.add_argument("--repeats", type=int, default=1, help="alternate the pair this many times; median ratio")
     parser.add_argument("--json", help="write the figures here")
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.batch_size:
         overrides.append(f"--data.init_args.batch_size={args.batch_size}")
     result = benchmark(args.config, overrides, args.warmup, args.steps, args.compare_open_clip, args.patch_dropout,
-                       args.repeats)
+                       args.repeats, args.flip)
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -145,7 +145,9 @@ def summarise(timer: StepTimer, device: torch.device, precision: str) -> dict[st
     }
 
 
-def run_open_clip(mine: dict[str, Any], model_name: str, warmup: int, steps: int, root: str) -> dict[str, Any]:
+def run_open_clip(
+    mine: dict[str, Any], model_name: str, warmup: int, steps: int, root: str, patch_dropout: Optional[float] = None
+) -> dict[str, Any]:
     """Run open_clip_train on the shards, model, batch, workers, precision and device of ``mine``.
 
     Its log folder (holding the full checkpoint it writes at the end even with
@@ -161,7 +163,7 @@ def run_open_clip(mine: dict[str, Any], model_name: str, warmup: int, steps: int
         name = Path(model_name).stem
     args = peer_args(
         name, mine["shards"], (warmup + steps) * mine["batch_size"], mine["batch_size"],
-        mine["num_workers"], mine["precision"], os.path.join(root, "open_clip_logs"),
+        mine["num_workers"], mine["precision"], os.path.join(root, "open_clip_logs"), patch_dropout,
     )
     env = dict(os.environ)
     # The launcher must import this very mmssl (a worktree may shadow the installed one).
@@ -189,6 +191,7 @@ def benchmark(
     compare_open_clip: bool = False,
     patch_dropout: Optional[float] = None,
     repeats: int = 1,
+    flip: Optional[float] = None,
 ) -> dict[str, Any]:
     """Measure mmssl on ``config`` and, optionally, open_clip_train on the same run.
 
@@ -199,6 +202,8 @@ def benchmark(
         steps: timed steps.
         compare_open_clip: also run open_clip_train and report the ratio mmssl / open_clip.
         patch_dropout: drop this fraction of image patches in both (open_clip's PatchDropout).
+        flip: mmssl's own FLIP masking (``model.init_args.image_mask_ratio``) against open_clip's
+            ``--force-patch-dropout`` at the same ratio.
         repeats: run the pair this many times, alternating (A B A B ...), so a machine whose
             speed drifts (shared CPUs) affects both alike; the ratio is the median of the pairs'.
 
@@ -216,12 +221,14 @@ def benchmark(
         if patch_dropout:
             model_name = with_patch_dropout(model_name, patch_dropout, root)
             overrides = [*overrides, f"--model.init_args.model_name={model_name}"]
+        if flip:
+            overrides = [*overrides, f"--model.init_args.image_mask_ratio={flip}"]
         runs: list[dict[str, Any]] = []
         for i in range(repeats):
             mine = run_mmssl(config, overrides, warmup, steps, os.path.join(root, f"mmssl{i}"))
             pair = {"mmssl": mine}
             if compare_open_clip:
-                pair["open_clip_train"] = run_open_clip(mine, model_name, warmup, steps, os.path.join(root, f"peer{i}"))
+                pair["open_clip_train"] = run_open_clip(mine, model_name, warmup, steps, os.path.join(root, f"peer{i}"), flip)
                 pair["ratio"] = mine["samples_per_s"] / pair["open_clip_train"]["samples_per_s"]
             runs.append(pair)
         return _median_of(runs)

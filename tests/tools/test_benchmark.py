@@ -81,7 +81,7 @@ def _expected_step_flops(model_json: str, batch: int) -> int:
     tokens = torch.randint(0, 49408, (batch, 16))
     counter = FlopCounterMode(display=False)
     with sdpa_kernel(SDPBackend.MATH), counter:
-        model._loss({"image": images, "text": tokens}).backward()
+        model.contrastive_loss(model(images, tokens)).backward()
     return counter.get_total_flops()
 
 

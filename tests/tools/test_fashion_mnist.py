@@ -111,7 +111,7 @@ def test_convert_is_deterministic_and_limit_applies(source, tmp_path):
 def test_output_reads_back_through_mmssl_labeled_loader(source, tmp_path):
     folder, data = source
     fm.convert(str(folder), str(tmp_path / "out"), shard_size=4)
-    loader = labeled_loader(str(tmp_path / "out/test"), eval_transform(28), batch_size=8, split=None, image_key="png")
+    loader = labeled_loader(str(tmp_path / "out/test"), eval_transform(28), batch_size=8, image_key="png")
     (batch,) = list(loader)
     assert batch["image"].shape == (3, 3, 28, 28)
     assert batch["label"].tolist() == data["t10k"][1].tolist()
