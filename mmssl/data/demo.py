@@ -35,7 +35,7 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "purple": (140, 60, 180),
     "orange": (245, 140, 30),
 }
-SIZES: dict[str, float] = {"small": 0.18, "large": 0.34}  # radius as a fraction of the image side
+SIZES: dict[str, float] = {"small": 0.25, "large": 0.4}  # radius as a fraction of the image side
 POSITIONS: dict[str, tuple[float, float]] = {
     "in the top left": (0.3, 0.3),
     "in the top right": (0.7, 0.3),
@@ -66,7 +66,7 @@ DEFAULT_DEMO_DIR = os.path.join(
     os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")), "mmssl", "demo"
 )
 # Bump when the generator's output changes, so stale caches are not reused.
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,6 @@ def demo_data(root: str | None = None) -> DemoData:
     marker = Path(root or DEFAULT_DEMO_DIR).expanduser() / "done.json"
     if marker.exists():
         settings = json.loads(marker.read_text())
-        if settings.get("version") == DEMO_VERSION:
-            settings.pop("version")
-            return ensure_demo_data(root, **settings)
+        settings.pop("version", None)  # an older generator's folder is redrawn at the same sizes
+        return ensure_demo_data(root, **settings)
     return ensure_demo_data(root)
