@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mmssl.cli import main
+from mmssl.cli import cli_main, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,20 @@ def test_clip_demo_config_fits_end_to_end(tmp_path, tiny_demo, tiny_clip_json, c
     assert 0.0 <= metrics["val/zero_shot_top1"] <= metrics["val/zero_shot_top5"] <= 1.0
     out = capsys.readouterr().out
     assert "run folder:" in out and "last.ckpt" in out and "val/zero_shot_top1" in out
+
+    # `mmssl validate` on the saved checkpoint reproduces the end-of-fit zero-shot figure.
+    cli = cli_main([
+        "validate", "--config", str(REPO / "configs/demo/clip.yaml"),
+        f"--model.init_args.model_name={tiny_clip_json}",
+        f"--data.init_args.demo_dir={tiny_demo.root}",
+        "--data.init_args.batch_size=16", "--data.init_args.num_workers=0",
+        f"--ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"--trainer.default_root_dir={tmp_path / 'val'}",
+        "--trainer.enable_progress_bar=false",
+    ])
+    validated = cli.trainer.callback_metrics["val/zero_shot_top1"].item()
+    last_fit = [float(r["val/zero_shot_top1"]) for r in csv.DictReader(open(run / "metrics.csv"))
+                if r.get("val/zero_shot_top1")][-1]
+    assert abs(validated - last_fit) < 1e-6
 
 
 def test_print_config_runs_again_as_is(tmp_path, tiny_demo, tiny_clip_json, capsys):
@@ -101,3 +115,12 @@ def test_data_config_errors_fail_before_training(data_args, message, tmp_path, t
               f"--data.init_args.demo_dir={tiny_demo.root}", *data_args,
               f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"])
     assert not list(tmp_path.rglob("*.ckpt"))  # no step was taken
+
+
+def test_recipe_model_config_is_found_from_another_folder(tmp_path, monkeypatch):
+    from mmssl.models.clip import resolve_model_name
+
+    monkeypatch.chdir(tmp_path)  # recipes name configs/models/... relative to the repository
+    assert resolve_model_name("configs/models/clip_tiny.json") == "clip_tiny"
+    with pytest.raises(FileNotFoundError, match="no model config file"):
+        resolve_model_name("configs/models/nope.json")

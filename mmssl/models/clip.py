@@ -44,9 +44,16 @@ def resolve_model_name(model_name: str) -> str:
         The name open_clip knows the config by (the file's stem for a JSON path).
     """
     if model_name.endswith(".json"):
-        if not os.path.isfile(model_name):
-            raise FileNotFoundError(f"model.model_name: no model config file at {model_name!r}")
-        open_clip.add_model_config(model_name)
+        # Recipes name model configs relative to the repository root (configs/models/...); a run
+        # started elsewhere (or `mmssl validate` on a run folder's config.yaml) still finds them.
+        tried = [model_name]
+        if not os.path.isabs(model_name):
+            tried.append(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+                os.path.abspath(__file__)))), model_name))
+        found = next((p for p in tried if os.path.isfile(p)), None)
+        if found is None:
+            raise FileNotFoundError(f"model.model_name: no model config file at {' or '.join(map(repr, tried))}")
+        open_clip.add_model_config(found)
         return os.path.splitext(os.path.basename(model_name))[0]
     if model_name not in open_clip.list_models():
         raise ValueError(
