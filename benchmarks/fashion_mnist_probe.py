@@ -3,10 +3,9 @@
     python benchmarks/fashion_mnist_probe.py --ckpt runs/.../last.ckpt --data data/fashion_mnist \
         --train-samples 10000 --output-json probe.json
 
-A stand-in until the evaluation helper's probe tool (issue 6) lands: multinomial logistic
-regression fitted by full-batch L-BFGS on frozen, standardised features (the "fast exact option"
-of issue 6; as in the linear-probe protocol of CLIP sec. 3.2, which fits scikit-learn's L-BFGS
-logistic regression). Features: the final-norm cls token (MAE paper) and the mean of the patch
+The probe is ``mmssl.evaluation.linear.fit_logistic`` (multinomial logistic regression by
+full-batch L-BFGS on standardised frozen features, as ``tools/linear_probe.py``); this script adds
+what that tool has no notion of: the same architecture randomly initialised, and raw pixels. Features: the final-norm cls token (MAE paper) and the mean of the patch
 tokens, both from one unmasked forward pass.
 """
 
@@ -19,10 +18,10 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from mmssl.data.labeled import labeled_loader
 from mmssl.data.transforms import eval_transform
+from mmssl.evaluation.linear import fit_logistic, topk_accuracy
 
 
 @torch.no_grad()
@@ -59,28 +58,11 @@ def extract(model, folder: str, limit: int, batch_size: int = 500) -> tuple[dict
     return {k: torch.cat(v) for k, v in feats.items()}, torch.cat(labels)
 
 
-def logistic_regression(x_train, y_train, x_test, y_test, weight_decay: float = 1e-4, max_iter: int = 300) -> float:
-    """Top-1 on the test set of an L2-regularised softmax regression fitted by L-BFGS.
-
-    Features are standardised with the training mean and std first, so one regularisation
-    strength suits every feature type.
-    """
-    mu, sd = x_train.mean(0), x_train.std(0) + 1e-6
-    x_train, x_test = (x_train - mu) / sd, (x_test - mu) / sd
-    classes = int(y_train.max()) + 1
-    linear = torch.nn.Linear(x_train.shape[1], classes)
-    opt = torch.optim.LBFGS(linear.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
-                            line_search_fn="strong_wolfe", tolerance_grad=1e-6)  # fmt: skip
-
-    def closure():
-        opt.zero_grad()
-        loss = F.cross_entropy(linear(x_train), y_train) + weight_decay * linear.weight.pow(2).sum()
-        loss.backward()
-        return loss
-
-    opt.step(closure)
+def logistic_regression(x_train, y_train, x_test, y_test) -> float:
+    """Top-1 on the test set of the package's L-BFGS probe (``mmssl.evaluation.linear``)."""
+    classifier = fit_logistic(x_train, y_train, int(y_train.max()) + 1)
     with torch.no_grad():
-        return (linear(x_test).argmax(1) == y_test).float().mean().item()
+        return topk_accuracy(classifier(x_test), y_test, ks=(1,))["top1"]
 
 
 def main(argv: list[str] | None = None) -> dict:
