@@ -34,6 +34,10 @@ def _tokenizer(model: pl.LightningModule):
     return getattr(model, "tokenizer", None)
 
 
+def _trim_text_padding(model: pl.LightningModule) -> bool:
+    return bool(getattr(model, "trim_text_padding", False))
+
+
 class MMSSLCLI(LightningCLI):
     """LightningCLI with one run folder per run and model-to-data links.
 
@@ -52,6 +56,7 @@ class MMSSLCLI(LightningCLI):
             ("image_mean", _image_mean),
             ("image_std", _image_std),
             ("tokenizer", _tokenizer),
+            ("trim_text_padding", _trim_text_padding),
         ):
             parser.link_arguments("model", f"data.init_args.{target}", compute_fn=fn, apply_on="instantiate")
         # Always on, configurable: the start/end report, and the non-finite step guard.

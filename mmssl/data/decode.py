@@ -13,6 +13,8 @@ import math
 from typing import Any, Callable, Optional, Sequence
 
 from PIL import Image
+from torch import Tensor
+from torch.utils.data import default_collate
 
 
 class BadSample(Exception):
@@ -60,13 +62,19 @@ class SampleDecoder:
 
     A class rather than a closure so it pickles into loader workers.
 
+    Captions are checked here and tokenised per batch in :meth:`collate` (open_clip's tokenizer
+    takes a list: one call for 32 captions costs 96 us a caption against 230 us one at a time).
+
     Args:
         transform: PIL image -> ``(3, H, W)`` tensor.
-        tokenizer: caption -> token ids (open_clip's tokenizer); ``None`` ignores captions (MAE).
+        tokenizer: list of captions -> (N, L) token ids (open_clip's tokenizer); ``None`` ignores
+            captions (MAE).
         image_keys: extensions holding the image, first present wins.
         text_key: extension holding the caption.
         label_key: extension holding an integer class (optional in the sample).
         min_size: reduced-size JPEG decode target, see :func:`open_image`; ``None`` disables it.
+        batch_transform: applied to the stacked ``(B, 3, H, W)`` images in :meth:`collate`
+            (e.g. :class:`~mmssl.data.transforms.BatchNormalize` after a uint8 ``transform``).
     """
 
     def __init__(
@@ -77,8 +85,9 @@ class SampleDecoder:
         text_key: str = "txt",
         label_key: str = "cls",
         min_size: Optional[int] = None,
+        batch_transform: Optional[Callable] = None,
     ) -> None:
-        self.transform, self.tokenizer = transform, tokenizer
+        self.transform, self.tokenizer, self.batch_transform = transform, tokenizer, batch_transform
         self.image_keys, self.text_key, self.label_key = tuple(image_keys), text_key, label_key
         self.min_size = min_size
 
@@ -88,7 +97,7 @@ class SampleDecoder:
             raise BadSample(f"no image (looked for {', '.join(self.image_keys)})")
         out: dict[str, Any] = {}
         if self.tokenizer is not None:
-            out["text"] = self.tokenizer([self._caption(raw)])[0]  # tokenised here, in the worker
+            out["text"] = self._caption(raw)  # tokenised with its batch, in collate
         if self.label_key in raw:
             try:
                 out["label"] = int(raw[self.label_key].decode("ascii").strip())
@@ -101,6 +110,24 @@ class SampleDecoder:
         out["image"] = self.transform(image)
         return out
 
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        """Stack decoded samples (the keys all of them share) into a batch, tokenising captions.
+
+        Args:
+            samples: outputs of ``__call__``.
+
+        Returns:
+            ``{"image": (B, 3, H, W), "text": (B, L)?, "label": (B,)?}``.
+        """
+        keys = set.intersection(*(set(s) for s in samples))
+        captions = [s["text"] for s in samples] if "text" in keys else None
+        batch = default_collate([{k: s[k] for k in keys if k != "text"} for s in samples])
+        if captions is not None:
+            batch["text"] = self.tokenizer(captions)
+        if self.batch_transform is not None:
+            batch["image"] = self.batch_transform(batch["image"])
+        return batch
+
     def _caption(self, raw: dict[str, Any]) -> str:
         if self.text_key not in raw:
             raise BadSample(f"no caption {self.text_key!r}")
@@ -111,3 +138,17 @@ class SampleDecoder:
         if not text:
             raise BadSample(f"empty caption {self.text_key!r}")
         return text
+
+
+def trim_text_padding(tokens: Tensor, pad_id: int = 0) -> Tensor:
+    """Drop the trailing columns of a token batch that are padding in every row.
+
+    Args:
+        tokens: (B, L) token ids, padded on the right with ``pad_id`` (open_clip pads with 0).
+        pad_id: the padding id.
+
+    Returns:
+        (B, L') with L' the length of the longest sequence (at least 1): a view, no copy.
+    """
+    used = (tokens != pad_id).any(dim=0).nonzero()
+    return tokens[:, : int(used[-1]) + 1 if len(used) else 1]

@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import webdataset as wds
-from torch.utils.data import IterableDataset, default_collate, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 from mmssl.data.decode import BadSample, SampleDecoder
 from mmssl.data.sources import Source, shard_sizes
@@ -259,10 +259,9 @@ def raw_stream(spec: StreamSpec, epoch: int, worker: int, health: _Health) -> It
             return
 
 
-def collate(samples: list[dict], worker: int, raw: int, skipped: int) -> dict[str, torch.Tensor]:
-    """Stack samples (keys all of them share) and attach the stream metadata."""
-    keys = set.intersection(*(set(s) for s in samples))
-    batch = default_collate([{k: s[k] for k in keys} for s in samples])
+def collate(samples: list[dict], worker: int, raw: int, skipped: int, decoder: SampleDecoder) -> dict[str, torch.Tensor]:
+    """Stack samples with the decoder's :meth:`~SampleDecoder.collate` and attach the stream metadata."""
+    batch = decoder.collate(samples)
     batch.update(__worker__=torch.tensor(worker), __raw__=torch.tensor(raw), __skipped__=torch.tensor(skipped))
     return batch
 
@@ -300,14 +299,14 @@ def worker_batches(
         except BadSample as exn:
             health.sample_failed(sample, str(exn))
         if len(batch) == spec.batch_size:
-            yield collate(batch, worker, position, health.take_pending())
+            yield collate(batch, worker, position, health.take_pending(), decoder)
             batch = []
             if limit is not None:
                 limit -= 1
                 if limit == 0:
                     return
     if batch and not spec.train:
-        yield collate(batch, worker, position, health.take_pending())
+        yield collate(batch, worker, position, health.take_pending(), decoder)
 
 
 class ShardStream(IterableDataset):

@@ -1,20 +1,41 @@
-"""Train and eval image transforms (torchvision), shared by every data module and callback.
+"""Train and eval image transforms, shared by every data module and callback.
 
 open_clip's ``image_transform`` is not reused because MAE needs a different crop scale and a flip;
 one parameterised pair serves both recipes: CLIP uses scale (0.9, 1.0) and no flip (open_clip's
 default), MAE uses (0.2, 1.0) with flip (MAE pretraining recipe).
+
+Training images are cropped per sample (:class:`RandomResizedCropFlip`, torchvision's crop
+sampler and Pillow's crop + bicubic resize) to a uint8 tensor, and normalised once per batch
+(:class:`BatchNormalize`, in the loader's collate step). Same values as torchvision's
+``RandomResizedCrop -> ToTensor -> Normalize`` for the same crop (tested), at a fraction of the
+CPU time (measured on 28x28 PNGs: 490 -> 50 us per image, nearly all of it torchvision's
+per-call tensor overhead): loader CPU time is what a 2-core laptop, or a GPU node feeding 8
+devices, runs short of.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from typing import Callable, Sequence
 
+import numpy as np
+import torch
+from PIL import Image
 from torchvision import transforms as T
 
 OPENAI_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
 IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+
+def train_sample_transform(image_size: int, scale: tuple[float, float] = (0.9, 1.0), hflip: bool = False) -> Callable:
+    """The per-sample half of :func:`train_transform`: PIL image -> ``(3, S, S)`` uint8 tensor.
+
+    Stack its outputs and apply :class:`BatchNormalize` once per batch.
+    """
+    return T.Compose([RandomResizedCropFlip(image_size, scale, hflip), to_uint8_tensor])
 
 
 def train_transform(
@@ -24,7 +45,10 @@ def train_transform(
     scale: tuple[float, float] = (0.9, 1.0),
     hflip: bool = False,
 ) -> Callable:
-    """Random-resized crop (+ optional flip), to tensor, normalise.
+    """Random-resized crop (+ optional flip), to tensor, normalise, for one image.
+
+    The data module runs the two halves apart (:func:`train_sample_transform` per sample,
+    :class:`BatchNormalize` per batch); this is the whole chain for one image.
 
     Args:
         image_size: output side in pixels.
@@ -36,13 +60,7 @@ def train_transform(
     Returns:
         A callable from a PIL image to a ``(3, image_size, image_size)`` float tensor.
     """
-    steps: list[Callable] = [
-        T.RandomResizedCrop(image_size, scale=scale, interpolation=T.InterpolationMode.BICUBIC),
-    ]
-    if hflip:
-        steps.append(T.RandomHorizontalFlip())
-    steps += [_to_rgb, T.ToTensor(), T.Normalize(mean, std)]
-    return T.Compose(steps)
+    return T.Compose([train_sample_transform(image_size, scale, hflip), BatchNormalize(mean, std)])
 
 
 def eval_transform(
@@ -71,3 +89,92 @@ def eval_transform(
 
 def _to_rgb(image):  # a named function, not a lambda, so the transform pickles into workers
     return image.convert("RGB")
+
+
+class RandomResizedCropFlip:
+    """``RandomResizedCrop`` (bicubic) + optional ``RandomHorizontalFlip`` on a PIL image.
+
+    torchvision's crop sampler (same area / log-aspect-ratio draws, ten tries, then a centre crop
+    of the clamped ratio) on Python's ``random`` (seeded per loader worker by the DataLoader)
+    instead of one-element torch tensors, which cost ~80 us per image in torchvision; the crop
+    and the resize are Pillow's, as in torchvision.
+
+    Args:
+        size: output side in pixels.
+        scale: area range of the crop, as a fraction of the image.
+        hflip: flip left-right with probability 0.5.
+        ratio: aspect-ratio range of the crop (torchvision's default).
+    """
+
+    def __init__(self, size: int, scale: tuple[float, float] = (0.08, 1.0), hflip: bool = False,
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> None:
+        if not 0 < scale[0] <= scale[1] or not 0 < ratio[0] <= ratio[1]:
+            raise ValueError(f"crop scale and ratio need 0 < low <= high, got scale={scale}, ratio={ratio}")
+        self.size, self.scale, self.ratio, self.hflip = size, tuple(scale), tuple(ratio), hflip
+        self._log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+
+    def crop_box(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """A random ``(left, top, right, bottom)`` crop of a ``width`` x ``height`` image."""
+        area = width * height
+        for _ in range(10):
+            target = area * random.uniform(*self.scale)
+            aspect = math.exp(random.uniform(*self._log_ratio))
+            w = int(round(math.sqrt(target * aspect)))
+            h = int(round(math.sqrt(target / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                left, top = random.randint(0, width - w), random.randint(0, height - h)
+                return left, top, left + w, top + h
+        # Fallback (torchvision's): the whole image, cut to the nearest allowed aspect ratio.
+        in_ratio = width / height
+        if in_ratio < self.ratio[0]:
+            w, h = width, int(round(width / self.ratio[0]))
+        elif in_ratio > self.ratio[1]:
+            w, h = int(round(height * self.ratio[1])), height
+        else:
+            w, h = width, height
+        left, top = (width - w) // 2, (height - h) // 2
+        return left, top, left + w, top + h
+
+    def __call__(self, image: Image.Image) -> Image.Image:
+        image = image.crop(self.crop_box(*image.size)).resize((self.size, self.size), Image.BICUBIC)
+        if self.hflip and random.random() < 0.5:
+            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        return image
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(size={self.size}, scale={self.scale}, ratio={self.ratio}, hflip={self.hflip})"
+
+
+def to_uint8_tensor(image: Image.Image) -> torch.Tensor:
+    """PIL image -> ``(3, H, W)`` uint8 RGB tensor (a view of the pixels, no scaling)."""
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    return torch.from_numpy(np.array(image, dtype=np.uint8)).permute(2, 0, 1)
+
+
+class BatchNormalize:
+    """``(B, 3, H, W)`` (or one ``(3, H, W)``) uint8 -> float ``(x / 255 - mean) / std``, one op.
+
+    ``ToTensor`` + ``Normalize`` per image cost ~200 us of per-call overhead on small images;
+    done once per batch in the collate step, the same values cost a few microseconds an image.
+
+    Args:
+        mean: per-channel mean, in [0, 1] units.
+        std: per-channel standard deviation, in [0, 1] units.
+    """
+
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        if len(mean) != 3 or len(std) != 3 or not all(math.isfinite(v) and v > 0 for v in std):
+            raise ValueError(f"mean and std need 3 channels and std > 0, got mean={mean}, std={std}")
+        self.mean, self.std = tuple(mean), tuple(std)
+        std_t = torch.tensor(std, dtype=torch.float64).view(3, 1, 1)
+        self._scale = (1.0 / (255.0 * std_t)).float()
+        self._shift = (-torch.tensor(mean, dtype=torch.float64).view(3, 1, 1) / std_t).float()
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dtype != torch.uint8:
+            raise TypeError(f"BatchNormalize expects uint8 images, got {images.dtype}")
+        return torch.addcmul(self._shift, images.float(), self._scale)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mean={self.mean}, std={self.std})"

@@ -23,12 +23,12 @@ from typing import Any, Callable, Optional, Sequence, Union
 import lightning.pytorch as pl
 import torch
 
-from mmssl.data.decode import SampleDecoder, draft_size
+from mmssl.data.decode import SampleDecoder, draft_size, trim_text_padding
 from mmssl.data.demo import demo_data
 from mmssl.data.pipeline import META_KEYS, ShardStream, plan_stream
 from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources
 from mmssl.data.state import EpochLoader, StreamPosition
-from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD, eval_transform, train_transform
+from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD, BatchNormalize, eval_transform, train_sample_transform
 
 __all__ = ["ImageTextDataModule", "count_samples", "expand_urls"]
 
@@ -61,6 +61,8 @@ class ImageTextDataModule(pl.LightningDataModule):
         reduced_decode: decode large JPEGs at reduced size (Pillow ``draft``) when the model
             input is much smaller.
         demo_dir: cache folder of the embedded demo data.
+        trim_text_padding: cut each batch's tokens after its longest caption, before the transfer
+            (set from the model by ``mmssl fit``: on when its text tower ignores padding).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         max_bad_fraction: float = 0.1,
         reduced_decode: bool = True,
         demo_dir: Optional[str] = None,
+        trim_text_padding: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -97,7 +100,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         self.batch_size, self.num_workers = batch_size, num_workers
         self.resampled, self.train_num_samples = resampled, train_num_samples
         self.image_size, self.image_mean, self.image_std = image_size, image_mean, image_std
-        self.tokenizer = tokenizer
+        self.tokenizer, self.trim_text_padding = tokenizer, trim_text_padding
         self.image_key, self.text_key, self.label_key = image_key, text_key, label_key
         self.crop_scale, self.hflip = crop_scale, hflip
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
@@ -134,13 +137,15 @@ class ImageTextDataModule(pl.LightningDataModule):
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def _decoder(self, train: bool) -> SampleDecoder:
-        if train:
-            transform = train_transform(self.image_size, self.image_mean, self.image_std, self.crop_scale, self.hflip)
+        batch_transform = None
+        if train:  # uint8 crops per sample, normalised once per batch (mmssl.data.transforms)
+            transform = train_sample_transform(self.image_size, self.crop_scale, self.hflip)
+            batch_transform = BatchNormalize(self.image_mean, self.image_std)
         else:
             transform = eval_transform(self.image_size, self.image_mean, self.image_std)
         min_size = draft_size(self.image_size, self.crop_scale[0] if train else 1.0) if self.reduced_decode else None
         return SampleDecoder(transform, self.tokenizer, self.image_key.split(";"), self.text_key,
-                             self.label_key, min_size)
+                             self.label_key, min_size, batch_transform)
 
     def build_stream(self, data: DataSpec, train: bool, rank: int = 0, world_size: int = 1) -> ShardStream:
         """The dataset of one rank (tests pass ``rank``/``world_size`` to simulate ranks).
@@ -180,9 +185,14 @@ class ImageTextDataModule(pl.LightningDataModule):
     # Position, counts and checkpoint ------------------------------------------------------------
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Strip the stream metadata; in training, advance the position and log ``data/skipped``."""
+        """Strip the stream metadata; in training, advance the position and log ``data/skipped``.
+
+        With ``trim_text_padding``, also cut the tokens after the batch's longest caption (here, on
+        the CPU, so finding the length never waits for an accelerator)."""
         if not isinstance(batch, dict) or "__worker__" not in batch:
             return batch
+        if self.trim_text_padding and "text" in batch:
+            batch["text"] = trim_text_padding(batch["text"])
         worker, raw, skipped = (int(batch.pop(k)) for k in META_KEYS)
         trainer = self.trainer
         # Without a trainer (tests, tools), a started training position tells a training batch.

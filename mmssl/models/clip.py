@@ -18,9 +18,11 @@ import open_clip
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
+from open_clip.transformer import text_global_pool
 from open_clip_train.train import get_clip_metrics
 from torch import Tensor
 
+from mmssl.data.decode import trim_text_padding
 from mmssl.distributed import gather_with_grad, rank, world_size
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.flip import install_flip_masking
@@ -85,6 +87,22 @@ def retrieval_metrics(image_features: Tensor, text_features: Tensor) -> dict[str
     }
 
 
+def text_padding_is_inert(model: torch.nn.Module) -> bool:
+    """Whether trailing padding cannot change ``model.encode_text``'s output.
+
+    True for open_clip's ``CLIP`` text tower as OpenAI built it: a causal mask (no token attends
+    to a later one), end-of-text pooling (``argmax``/``eos``: the token of the highest id or the
+    EOS id, which precedes the padding), no appended class token. Then the pooled feature depends
+    only on tokens up to the EOS, and padding after the longest caption of a batch is dead work.
+    """
+    return (
+        isinstance(model, open_clip.CLIP)
+        and getattr(model, "attn_mask", None) is not None
+        and getattr(model, "text_pool_type", None) in ("argmax", "eos")
+        and getattr(model, "cls_emb", None) is None
+    )
+
+
 def _checkpoint_has(path: str, key: str) -> bool:
     """Whether an open_clip checkpoint file holds ``key``, read lazily (mmap / safetensors)."""
     if path.endswith(".safetensors"):
@@ -119,6 +137,11 @@ class CLIP(pl.LightningModule):
         warmup_steps: linear warm-up steps before the cosine decay.
         min_lr_ratio: final LR of the cosine as a fraction of the peak.
         logit_scale_max: clamp of the learned logit scale (CLIP: 100).
+        trim_text_padding: run the text tower only up to the longest caption of each batch
+            instead of the full context (open_clip always runs all ``context_length`` positions).
+            Exact: with a causal text tower and end-of-text pooling the output is unchanged
+            (tested); ``None`` switches it on exactly when that holds, ``True`` insists (and fails
+            for a tower where it would change the output), ``False`` keeps the full context.
     """
 
     def __init__(
@@ -136,6 +159,7 @@ class CLIP(pl.LightningModule):
         warmup_steps: int = 2000,
         min_lr_ratio: float = 0.0,
         logit_scale_max: float = 100.0,
+        trim_text_padding: Optional[bool] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -160,6 +184,14 @@ class CLIP(pl.LightningModule):
             image_mask_ratio = float(vision_cfg.get("patch_dropout", 0.0))
         self.flip = install_flip_masking(self.model.visual, image_mask_ratio)
         self.image_mask_ratio = image_mask_ratio
+        inert = text_padding_is_inert(self.model)
+        if trim_text_padding and not inert:
+            raise ValueError(
+                f"model.trim_text_padding: the text tower of {model_name!r} is not causal with end-of-text "
+                "pooling, so trimming its padding would change its output; leave it unset or false"
+            )
+        # Read by the data module (linked by the CLI): it trims each batch before the transfer.
+        self.trim_text_padding: bool = inert if trim_text_padding is None else trim_text_padding
         self.tokenizer: Callable = open_clip.get_tokenizer(name)
         size = self.model.visual.image_size
         self.image_size: int = size[0] if isinstance(size, (tuple, list)) else int(size)
@@ -190,8 +222,27 @@ class CLIP(pl.LightningModule):
         return self.model.encode_image(images, normalize=normalize)
 
     def encode_text(self, tokens: Tensor, normalize: bool = True) -> Tensor:
-        """(B, L) token ids -> (B, D) embeddings."""
-        return self.model.encode_text(tokens, normalize=normalize)
+        """(B, L) token ids -> (B, D) embeddings; ``L`` may be shorter than the context when
+        ``trim_text_padding`` is on (CPU tokens are trimmed here; the data module trims
+        training and validation batches before they reach an accelerator)."""
+        model = self.model
+        if not self.trim_text_padding:
+            return model.encode_text(tokens, normalize=normalize)
+        if tokens.device.type == "cpu":
+            tokens = trim_text_padding(tokens)  # free on CPU; on GPU it would wait for the device
+        length = tokens.shape[1]
+        if length == model.context_length:
+            return model.encode_text(tokens, normalize=normalize)
+        # open_clip's CLIP.encode_text, with the positional embedding and the causal mask cut to
+        # the batch's length (it always adds all context_length positions).
+        x = model.token_embedding(tokens).to(model.transformer.get_cast_dtype())
+        x = x + model.positional_embedding[:length].to(x.dtype)
+        x = model.transformer(x, attn_mask=model.attn_mask[:length, :length])
+        x = model.ln_final(x)
+        x = text_global_pool(x, tokens, model.text_pool_type, eos_token_id=getattr(model, "text_eos_id", None))
+        if model.text_projection is not None:
+            x = model.text_projection(x) if isinstance(model.text_projection, torch.nn.Linear) else x @ model.text_projection
+        return F.normalize(x, dim=-1) if normalize else x
 
     # Probe hooks (added by the evaluation branch, issue 6): the protocol of
     # mmssl.evaluation.features, over open_clip's VisionTransformer.forward_intermediates.
@@ -222,7 +273,14 @@ class CLIP(pl.LightningModule):
     def forward(self, images: Tensor, tokens: Tensor) -> dict[str, Tensor]:
         """Returns ``image_features`` (B, D), ``text_features`` (B, D), ``logit_scale`` () and,
         for SigLIP, ``logit_bias`` (): open_clip's ``output_dict`` (scale already exponentiated)."""
-        return self.model(images, tokens)
+        out = {
+            "image_features": self.encode_image(images),
+            "text_features": self.encode_text(tokens),
+            "logit_scale": self.model.logit_scale.exp(),
+        }
+        if self.model.logit_bias is not None:
+            out["logit_bias"] = self.model.logit_bias
+        return out
 
     # Loss ----------------------------------------------------------------------------------------
 
