@@ -26,6 +26,7 @@ from mmssl.data.decode import trim_text_padding
 from mmssl.distributed import gather_with_grad, rank, world_size
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.flip import install_flip_masking
+from mmssl.models._logging import logging_step
 from mmssl.optim import param_groups, warmup_cosine
 
 # Initial (logit_scale, logit_bias): CLIP sec. 2.5 (temperature 0.07, no bias); SigLIP sec. 3.2
@@ -323,10 +324,13 @@ class CLIP(pl.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self.contrastive_loss(self(batch["image"], batch["text"]))
         self.log("train/loss", loss, prog_bar=True)
-        self.log("train/logit_scale", self.model.logit_scale.exp().detach())
-        if self.model.logit_bias is not None:
-            self.log("train/logit_bias", self.model.logit_bias.detach())
-        self.log("train/image_mask_ratio", float(self.flip.ratio))
+        if logging_step(self._trainer):
+            # Lightning keeps a step's metrics only on its logging steps (log_every_n_steps), and each
+            # `self.log` costs ~1 ms: log the slow-moving values only where they are kept.
+            self.log("train/logit_scale", self.model.logit_scale.exp().detach())
+            if self.model.logit_bias is not None:
+                self.log("train/logit_bias", self.model.logit_bias.detach())
+            self.log("train/image_mask_ratio", float(self.flip.ratio))
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:

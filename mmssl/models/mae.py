@@ -25,6 +25,7 @@ from mmssl.models.vit import (
     read_checkpoint,
     sincos_pos_embed_2d,
 )
+from mmssl.models._logging import logging_step
 from mmssl.optim import param_groups, warmup_cosine
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -311,7 +312,7 @@ class MAE(LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _, _ = self(batch["image"])
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["image"].shape[0])
-        if self._trainer is not None and self.trainer.optimizers:
+        if self._trainer is not None and self.trainer.optimizers and logging_step(self._trainer):
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 

@@ -6,6 +6,7 @@ import io
 from collections import Counter
 
 import pytest
+import torch
 from PIL import Image
 from shard_helpers import count_tokenizer, write_dataset
 
@@ -140,3 +141,40 @@ def test_large_jpeg_decodes_at_reduced_size():
     image = open_image(buf.getvalue(), min_size=64)
     assert image.size == (128, 96)  # 1/4 scale: the largest reduction keeping both sides >= 64
     assert open_image(buf.getvalue()).size == (512, 384)
+
+
+def test_training_batches_are_normalised_and_tokenised_once_per_batch(tmp_path):
+    write_dataset(tmp_path / "d", [6])
+    calls = []
+
+    def tokenizer(texts):
+        calls.append(len(texts))
+        return count_tokenizer(texts)
+
+    module = _module(str(tmp_path / "d"), num_workers=1, batch_size=3, image_mean=(0.5,) * 3, image_std=(0.25,) * 3,
+                     tokenizer=tokenizer)
+    stream = module.build_stream(module.train_data, True)
+    batch = next(worker_batches(stream.spec, stream.decoder, 0, 0))
+    assert calls == [3]  # one tokenizer call for the whole batch
+    image = batch["image"]
+    assert image.dtype == torch.float32 and image.shape == (3, 3, 8, 8)
+    # (x / 255 - 0.5) / 0.25 lies in [-2, 2] and uses the whole range of these random pictures
+    assert -2.0 - 1e-6 <= float(image.min()) < -1.0 and 1.0 < float(image.max()) <= 2.0 + 1e-6
+
+
+def test_text_padding_is_trimmed_to_the_longest_caption_before_transfer(tmp_path):
+    write_dataset(tmp_path / "d", [4])
+
+    def padded(texts):  # caption i -> tokens [1, 2, ..., len] padded with 0 to 16
+        out = torch.zeros(len(texts), 16, dtype=torch.long)
+        for row, text in enumerate(texts):
+            out[row, : len(text.split()[-1])] = 1 + torch.arange(len(text.split()[-1]))
+        return out
+
+    for trim, width in ((True, 5), (False, 16)):  # captions "caption 0".."caption 3": 1 digit...
+        module = _module(str(tmp_path / "d"), num_workers=1, batch_size=4, tokenizer=padded, trim_text_padding=trim)
+        stream = module.build_stream(module.train_data, True)
+        batch = next(worker_batches(stream.spec, stream.decoder, 0, 0))
+        batch["text"][0, 4] = 7  # one caption reaching position 5
+        batch = module.on_before_batch_transfer(batch, 0)
+        assert batch["text"].shape == (4, width)

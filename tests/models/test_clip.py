@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -132,3 +133,44 @@ def test_bad_inputs_name_the_key(tiny_clip_json, tmp_path):
         CLIP(tiny_clip_json, pretrained=str(tmp_path / "missing.pt"))
     with pytest.raises(ValueError, match="model.image_mask_ratio"):
         CLIP(tiny_clip_json, image_mask_ratio=1.0)
+
+
+def test_trimmed_text_padding_gives_open_clips_embeddings_and_gradients(tiny_clip_json):
+    torch.manual_seed(0)
+    model = CLIP(tiny_clip_json)
+    assert model.trim_text_padding  # causal text tower with argmax pooling: on by default
+    tokens = model.tokenizer(["a photo of a bag", "a longer caption about an ankle boot at night"])
+    longest = int((tokens != 0).sum(dim=1).max())
+    assert longest < tokens.shape[1]
+    seen = []
+    handle = model.model.transformer.resblocks[0].register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1]))
+    mine = model.encode_text(tokens)
+    handle.remove()
+    assert seen == [longest]  # the text tower ran only up to the longest caption
+    reference = model.model.encode_text(tokens, normalize=True)  # open_clip, full context
+    torch.testing.assert_close(mine, reference, atol=1e-6, rtol=1e-5)
+    # Gradients too: a training step is the same step.
+    images = _images(model)
+    grads = []
+    for trim in (True, False):
+        model.zero_grad()
+        model.trim_text_padding = trim
+        model.contrastive_loss(model(images, tokens)).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_trimming_is_refused_where_padding_changes_the_output(tmp_path):
+    config = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 16, "layers": 1, "width": 16, "head_width": 8, "patch_size": 8},
+        "text_cfg": {"context_length": 8, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1,
+                     "no_causal_mask": True, "pool_type": "last"},
+    }
+    path = tmp_path / "clip_bidirectional_text.json"
+    path.write_text(json.dumps(config))
+    assert not CLIP(str(path)).trim_text_padding  # auto: off for a bidirectional tower
+    with pytest.raises(ValueError, match="model.trim_text_padding"):
+        CLIP(str(path), trim_text_padding=True)
