@@ -1,11 +1,14 @@
 """Training throughput of an mmssl config, optionally beside open_clip_train on the same run.
 
     python tools/benchmark.py --config configs/fashion_mnist/clip_tiny.yaml --warmup 3 --steps 20 \
-        [--precision bf16-mixed] [--patch-dropout 0.5] [--compare-open-clip] [--repeats 3] [--json out.json] \
+        [--precision bf16-mixed] [--patch-dropout 0.5] [--compare-open-clip | --compare-lightly |
+        --compare-mask-ratio 0.005] [--repeats 3] [--json out.json] \
         [-- --data.init_args.batch_size=32 ...]
 
 Prints samples/s, step time, the fraction of time waiting for data, peak memory and model FLOP
-utilisation; with --compare-open-clip also open_clip_train's figures and the ratio.
+utilisation; with --compare-open-clip (CLIP) or --compare-lightly (MAE) also the peer's figures and
+the ratio; with --compare-mask-ratio R the MAE speed-up of the config's mask ratio over R beside
+the FLOP ratio of the two runs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--patch-dropout", type=float, help="drop this fraction of image patches (both tools)")
     parser.add_argument("--flip", type=float, help="mmssl's FLIP mask ratio vs open_clip's --force-patch-dropout")
     parser.add_argument("--compare-open-clip", action="store_true", help="also run open_clip_train")
+    parser.add_argument("--compare-lightly", action="store_true", help="also train lightly's MAE (MAE configs)")
+    parser.add_argument("--compare-mask-ratio", type=float,
+                        help="also run at this MAE mask ratio; report the speed-up and the FLOP ratio")
     parser.add_argument("--repeats", type=int, default=1, help="alternate the pair this many times; median ratio")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("overrides", nargs="*", help="further mmssl CLI arguments, after --")
@@ -40,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.batch_size:
         overrides.append(f"--data.init_args.batch_size={args.batch_size}")
     result = benchmark(args.config, overrides, args.warmup, args.steps, args.compare_open_clip, args.patch_dropout,
-                       args.repeats, args.flip)
+                       args.repeats, args.flip, args.compare_lightly, args.compare_mask_ratio)
     print(format_report(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -13,7 +13,7 @@ samples skipped and counted) -> batch. Two modes:
 - **resampled** (open_clip's ``--dataset-resampled``): each worker draws shards with replacement
   (weighted across sources) forever; the nominal epoch is ``num_samples`` samples.
 
-Every batch carries three small integer tensors, ``__worker__``, ``__raw__`` (raw samples the
+Every batch carries three small Python integers, ``__worker__``, ``__raw__`` (raw samples the
 worker has consumed this epoch) and ``__skipped__`` (samples skipped since its previous batch);
 :class:`~mmssl.data.webdataset.ImageTextDataModule` strips them before the model sees the batch.
 """
@@ -262,7 +262,9 @@ def raw_stream(spec: StreamSpec, epoch: int, worker: int, health: _Health) -> It
 def collate(samples: list[dict], worker: int, raw: int, skipped: int, decoder: SampleDecoder) -> dict[str, torch.Tensor]:
     """Stack samples with the decoder's :meth:`~SampleDecoder.collate` and attach the stream metadata."""
     batch = decoder.collate(samples)
-    batch.update(__worker__=torch.tensor(worker), __raw__=torch.tensor(raw), __skipped__=torch.tensor(skipped))
+    # Plain ints, not tensors: each tensor in a batch crosses from the worker through its own
+    # shared-memory segment, set up and mapped again for every batch.
+    batch.update(__worker__=worker, __raw__=raw, __skipped__=skipped)
     return batch
 
 

@@ -21,6 +21,7 @@ import yaml
 
 from mmssl.cli import MMSSLCLI
 from mmssl.data.webdataset import expand_urls
+from mmssl.perf.lightly_peer import run_lightly
 from mmssl.perf.meter import StepTimer, matmul_peak_flops, peak_memory
 from mmssl.perf.open_clip_peer import parse_peer_log, peer_args
 
@@ -72,6 +73,28 @@ def with_patch_dropout(model_name: str, ratio: float, folder: str) -> str:
     return path
 
 
+def make_cli(config: str, overrides: list[str], max_steps: int, root: str) -> MMSSLCLI:
+    """``mmssl fit``'s CLI for ``config`` with validation, bars and summaries off, not yet run."""
+    args = [
+        "--config", config, *overrides,
+        f"--trainer.max_steps={max_steps}", "--trainer.max_epochs=-1",
+        # Training throughput only: no validation, no sanity check, no bar redrawing.
+        "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        f"--trainer.default_root_dir={root}",
+    ]
+    # cli_main's settings, but run=False so callers add callbacks (the timer) before fitting.
+    argv, sys.argv = sys.argv, sys.argv[:1]  # the CLI warns when sys.argv holds the tool's own flags
+    try:
+        return MMSSLCLI(
+            model_class=pl.LightningModule, datamodule_class=pl.LightningDataModule,
+            subclass_mode_model=True, subclass_mode_data=True, save_config_kwargs={"overwrite": True},
+            trainer_defaults={"default_root_dir": "runs"}, args=args, run=False,
+        )
+    finally:
+        sys.argv = argv
+
+
 def run_mmssl(config: str, overrides: list[str], warmup: int, steps: int, root: str) -> dict[str, Any]:
     """Run ``warmup + steps`` training steps of ``config`` through Lightning and measure them.
 
@@ -86,24 +109,7 @@ def run_mmssl(config: str, overrides: list[str], warmup: int, steps: int, root: 
         The figures (see :func:`summarise`) plus the resolved ``batch_size``, ``num_workers``,
         ``shards``, ``precision``, ``device``.
     """
-    args = [
-        "--config", config, *overrides,
-        f"--trainer.max_steps={warmup + steps}", "--trainer.max_epochs=-1",
-        # Training throughput only: no validation, no sanity check, no bar redrawing.
-        "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-        f"--trainer.default_root_dir={root}",
-    ]
-    # cli_main's settings, but run=False so the timer joins the trainer's callbacks first.
-    argv, sys.argv = sys.argv, sys.argv[:1]  # the CLI warns when sys.argv holds the tool's own flags
-    try:
-        cli = MMSSLCLI(
-            model_class=pl.LightningModule, datamodule_class=pl.LightningDataModule,
-            subclass_mode_model=True, subclass_mode_data=True, save_config_kwargs={"overwrite": True},
-            trainer_defaults={"default_root_dir": "runs"}, args=args, run=False,
-        )
-    finally:
-        sys.argv = argv
+    cli = make_cli(config, overrides, warmup + steps, root)
     device = cli.trainer.strategy.root_device
     timer = StepTimer(warmup, device)
     cli.trainer.callbacks.append(timer)
@@ -192,27 +198,38 @@ def benchmark(
     patch_dropout: Optional[float] = None,
     repeats: int = 1,
     flip: Optional[float] = None,
+    compare_lightly: bool = False,
+    compare_mask_ratio: Optional[float] = None,
 ) -> dict[str, Any]:
-    """Measure mmssl on ``config`` and, optionally, open_clip_train on the same run.
+    """Measure mmssl on ``config`` and, optionally, a peer on the same run.
 
     Args:
         config: mmssl YAML config.
         overrides: extra CLI arguments for mmssl (the peer gets the resolved values).
         warmup: untimed steps.
         steps: timed steps.
-        compare_open_clip: also run open_clip_train and report the ratio mmssl / open_clip.
+        compare_open_clip: also run open_clip_train (CLIP configs) and report mmssl / open_clip.
         patch_dropout: drop this fraction of image patches in both (open_clip's PatchDropout).
-        flip: mmssl's own FLIP masking (``model.init_args.image_mask_ratio``) against open_clip's
-            ``--force-patch-dropout`` at the same ratio.
         repeats: run the pair this many times, alternating (A B A B ...), so a machine whose
             speed drifts (shared CPUs) affects both alike; the ratio is the median of the pairs'.
+        flip: mmssl's own FLIP masking (``model.init_args.image_mask_ratio``) against open_clip's
+            ``--force-patch-dropout`` at the same ratio.
+        compare_lightly: also train lightly's MAE (MAE configs) with the same sizes, data,
+            optimizer and precision (:mod:`mmssl.perf.lightly_peer`); report mmssl / lightly.
+        compare_mask_ratio: also run mmssl with ``model.init_args.mask_ratio`` at this value
+            (e.g. 0.005: one patch in 196 masked, MAE's loss needs one) and report the speed-up of
+            the config's ratio over it beside the FLOP ratio of the two, both measured.
 
     Returns:
-        ``{"mmssl": {...}, "open_clip_train": {...}?, "ratio": float?, "pair_ratios": [...]?,
-        "runs": [...]}``: the figures of the median run of each tool, and every run in ``runs``.
+        ``{"mmssl": {...}, PEER: {...}?, "ratio": float?, "pair_ratios": [...]?, "runs": [...]}``
+        with PEER ``open_clip_train``, ``lightly`` or ``mmssl_mask_ratio``: the figures of the
+        median run of each, and every run in ``runs``. For the mask-ratio comparison ``ratio`` is
+        the speed-up and ``flop_ratio`` the FLOPs of the other run over the config's.
     """
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if sum(map(bool, (compare_open_clip, compare_lightly, compare_mask_ratio is not None))) > 1:
+        raise ValueError("choose one of --compare-open-clip, --compare-lightly, --compare-mask-ratio")
     root = tempfile.mkdtemp(prefix="mmssl_bench_")
     try:
         model_name = None
@@ -229,11 +246,26 @@ def benchmark(
             pair = {"mmssl": mine}
             if compare_open_clip:
                 pair["open_clip_train"] = run_open_clip(mine, model_name, warmup, steps, os.path.join(root, f"peer{i}"), flip)
-                pair["ratio"] = mine["samples_per_s"] / pair["open_clip_train"]["samples_per_s"]
+            elif compare_lightly:
+                cli = make_cli(config, overrides, warmup + steps, os.path.join(root, f"peer{i}"))
+                pair["lightly"] = run_lightly(cli, warmup, steps)
+            elif compare_mask_ratio is not None:
+                other = [*overrides, f"--model.init_args.mask_ratio={compare_mask_ratio}"]
+                pair["mmssl_mask_ratio"] = run_mmssl(config, other, warmup, steps, os.path.join(root, f"peer{i}"))
+                pair["mmssl_mask_ratio"]["mask_ratio"] = compare_mask_ratio
+            peer = next((k for k in PEERS if k in pair), None)
+            if peer is not None:
+                pair["ratio"] = mine["samples_per_s"] / pair[peer]["samples_per_s"]
             runs.append(pair)
-        return _median_of(runs)
+        result = _median_of(runs)
+        if "mmssl_mask_ratio" in result:
+            result["flop_ratio"] = result["mmssl_mask_ratio"]["flops_per_step"] / max(1, result["mmssl"]["flops_per_step"])
+        return result
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+PEERS = ("open_clip_train", "lightly", "mmssl_mask_ratio")
 
 
 def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -243,9 +275,11 @@ def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return ordered[(len(ordered) - 1) // 2]
 
     result: dict[str, Any] = {"mmssl": median_run("mmssl"), "runs": runs}
-    if "open_clip_train" in runs[0]:
+    peer = next((k for k in PEERS if k in runs[0]), None)
+    if peer is not None:
         ratios = sorted(r["ratio"] for r in runs)
-        result["open_clip_train"] = median_run("open_clip_train")
+        result[peer] = median_run(peer)
+        result["peer"] = peer
         result["pair_ratios"] = [r["ratio"] for r in runs]
         mid = len(ratios) // 2
         result["ratio"] = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
@@ -261,11 +295,19 @@ def format_report(result: dict[str, Any]) -> str:
         f"{'tool':<16}{'samples/s':>11}{'step (ms)':>11}{'data wait':>11}",
         f"{'mmssl':<16}{m['samples_per_s']:>11.1f}{m['step_time_s'] * 1e3:>11.1f}{m['data_wait_fraction']:>10.1%}",
     ]
-    if "open_clip_train" in result:
-        p = result["open_clip_train"]
-        lines.append(f"{'open_clip_train':<16}{p['samples_per_s']:>11.1f}{p['step_time_s'] * 1e3:>11.1f}{p['data_wait_fraction']:>10.1%}")
+    peer = result.get("peer")
+    if peer is not None:
+        p = result[peer]
+        label = f"mmssl mask {p['mask_ratio']}" if peer == "mmssl_mask_ratio" else peer
+        lines.append(f"{label:<16}{p['samples_per_s']:>11.1f}{p['step_time_s'] * 1e3:>11.1f}{p['data_wait_fraction']:>10.1%}")
         pairs = ", ".join(f"{r:.2f}" for r in result.get("pair_ratios", []))
-        lines.append(f"ratio mmssl / open_clip_train: {result['ratio']:.2f}x" + (f" (median of pairs: {pairs})" if len(result.get("pair_ratios", [])) > 1 else ""))
+        pairs = f" (median of pairs: {pairs})" if len(result.get("pair_ratios", [])) > 1 else ""
+        if peer == "mmssl_mask_ratio":
+            flop_ratio = result["flop_ratio"]
+            lines.append(f"speed-up over mask {p['mask_ratio']}: {result['ratio']:.2f}x{pairs}; FLOP ratio "
+                         f"{flop_ratio:.2f}x; speed-up / FLOP ratio: {result['ratio'] / flop_ratio:.0%}")
+        else:
+            lines.append(f"ratio mmssl / {peer}: {result['ratio']:.2f}x{pairs}")
     lines += [
         f"peak memory ({m['peak_memory_kind']}): {m['peak_memory_bytes'] / 2**20:.0f} MiB",
         f"FLOPs per step: {m['flops_per_step'] / 1e9:.2f} GFLOP; matmul peak at {m['precision']}: "

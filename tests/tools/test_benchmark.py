@@ -131,3 +131,41 @@ def test_compare_open_clip_runs_the_peer_on_the_same_shards(tiny_demo, tiny_clip
     assert "clip_test_tiny_pd50" in peer["command"] and "--precision fp32" in peer["command"]
     assert result["ratio"] == pytest.approx(result["mmssl"]["samples_per_s"] / peer["samples_per_s"])
     assert "ratio mmssl / open_clip_train" in format_report(result)
+
+
+def _mae_args(tiny_demo):
+    return [f"--data.init_args.train_data={tiny_demo.train}", "--data.init_args.batch_size=8",
+            "--data.init_args.num_workers=0", "--model.init_args.embed_dim=32", "--model.init_args.depth=2",
+            "--model.init_args.decoder_embed_dim=32", "--model.init_args.decoder_depth=1"]
+
+
+def test_lightly_peer_has_the_configs_sizes():
+    pytest.importorskip("lightly", reason="lightly is in the bench extra")
+    from mmssl.models.mae import MAE
+    from mmssl.perf.lightly_peer import lightly_mae
+
+    mine = MAE(image_size=32, patch_size=4, embed_dim=64, depth=3, num_heads=4, decoder_embed_dim=32,
+               decoder_depth=2, decoder_num_heads=4)
+    peer = lightly_mae(mine.hparams)
+    count = lambda module: sum(p.numel() for p in module.parameters() if p.requires_grad)  # noqa: E731
+    # Same encoder to the parameter (timm blocks, patch embed, cls token; fixed sin-cos positions).
+    assert count(peer.backbone) == count(mine.encoder)
+    loss = peer(torch.randn(2, 3, 32, 32))
+    loss.backward()
+    assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+def test_compare_lightly_and_mask_ratio_speed_up_report(tiny_demo):
+    pytest.importorskip("lightly", reason="lightly is in the bench extra")
+    config = str(REPO / "configs/demo/mae.yaml")
+    result = benchmark(config, _mae_args(tiny_demo), warmup=1, steps=2, compare_lightly=True)
+    assert result["lightly"]["steps"] == 2 and result["lightly"]["samples_per_s"] > 0
+    assert result["ratio"] == pytest.approx(result["mmssl"]["samples_per_s"] / result["lightly"]["samples_per_s"])
+    assert "ratio mmssl / lightly" in format_report(result)
+    # Mask 0.75 against 0.25: the FLOP ratio of the two runs, measured, is above 1.
+    result = benchmark(config, _mae_args(tiny_demo), warmup=1, steps=2, compare_mask_ratio=0.25)
+    assert result["mmssl_mask_ratio"]["mask_ratio"] == 0.25
+    assert 1.2 < result["flop_ratio"] < 3.0
+    assert "FLOP ratio" in format_report(result)
+    with pytest.raises(ValueError, match="choose one"):
+        benchmark(config, _mae_args(tiny_demo), warmup=1, steps=1, compare_lightly=True, compare_mask_ratio=0.1)
