@@ -133,8 +133,12 @@ def plan_stream(
     urls = [u for s in sources for u in s.urls]
     common = dict(sources=tuple(sources), batch_size=batch_size, rank=rank, world_size=world_size,
                   workers=workers, resampled=resampled, train=train, **kwargs)
-    if not train:  # validation: one pass over a round-robin share, nothing padded
-        return StreamSpec(groups=tuple(tuple(urls[s::slots]) for s in range(slots)), **common)
+    if not train:
+        # Validation: one ordered pass, nothing padded or dropped. Shards are dealt round-robin
+        # over ranks first (``urls[rank::world]``), then over that rank's workers, so ranks get
+        # shard counts within one of each other (rank-major dealing left whole ranks empty).
+        groups = [urls[r::world_size][w::workers] for r in range(world_size) for w in range(workers)]
+        return StreamSpec(groups=tuple(map(tuple, groups)), **common)
     if resampled:
         sizes = None if num_samples else shard_sizes(urls)
         if not num_samples and not sizes:
