@@ -33,7 +33,7 @@ class DumpParams(pl.Callback):
 
 
 class DumpShards(pl.Callback):
-    """Write the shards this rank reads (and where Lightning placed it) to ``{folder}/rank{R}.json``."""
+    """Write the shards this rank reads in its first epoch (and where Lightning placed it) to ``{folder}/rank{R}.json``."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
@@ -42,9 +42,9 @@ class DumpShards(pl.Callback):
         import json
 
         spec = trainer.train_dataloader.dataset.spec
-        mine = spec.groups[spec.rank * spec.workers:(spec.rank + 1) * spec.workers]
+        slots = spec.plan(trainer.current_epoch).slots[spec.rank * spec.workers:(spec.rank + 1) * spec.workers]
         os.makedirs(self.folder, exist_ok=True)
         with open(os.path.join(self.folder, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump({"node_rank": trainer.node_rank, "world_size": trainer.world_size,
                        "environment": type(trainer.strategy.cluster_environment).__name__,
-                       "shards": [u for group in mine for u in group]}, f)
+                       "shards": sorted({spec.urls[p.shard] for slot in slots for p in slot})}, f)

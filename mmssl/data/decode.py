@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import random
 from typing import Any, Callable, Optional, Sequence
 
 from PIL import Image
@@ -62,6 +63,9 @@ class SampleDecoder:
 
     A class rather than a closure so it pickles into loader workers.
 
+    A random ``transform`` takes the sample's RNG as ``transform(image, rng)`` when the stream
+    passes one (training: drawn from (seed, epoch, sample), so a resumed run crops alike).
+
     Captions are checked here and tokenised per batch in :meth:`collate` (open_clip's tokenizer
     takes a list: one call for 32 captions costs 96 us a caption against 230 us one at a time).
 
@@ -91,7 +95,7 @@ class SampleDecoder:
         self.image_keys, self.text_key, self.label_key = tuple(image_keys), text_key, label_key
         self.min_size = min_size
 
-    def __call__(self, raw: dict[str, Any]) -> dict[str, Any]:
+    def __call__(self, raw: dict[str, Any], rng: Optional[random.Random] = None) -> dict[str, Any]:
         image_key = next((k for k in self.image_keys if k in raw), None)
         if image_key is None:
             raise BadSample(f"no image (looked for {', '.join(self.image_keys)})")
@@ -107,19 +111,28 @@ class SampleDecoder:
             image = open_image(raw[image_key], self.min_size)
         except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError... on bad data
             raise BadSample(f"unreadable {image_key} ({type(exn).__name__}: {exn})") from None
-        out["image"] = self.transform(image)
+        out["image"] = self.transform(image) if rng is None else self.transform(image, rng)
         return out
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
-        """Stack decoded samples (the keys all of them share) into a batch, tokenising captions.
+        """Stack decoded samples, which all carry the same keys, into a batch, tokenising captions.
+
+        The stream skips a sample whose keys differ from its batch's first sample
+        (:func:`~mmssl.data.pipeline.worker_batches`), so no key is dropped for a whole batch.
 
         Args:
             samples: outputs of ``__call__``.
 
         Returns:
             ``{"image": (B, 3, H, W), "text": (B, L)?, "label": (B,)?}``.
+
+        Raises:
+            ValueError: the samples do not all carry the same keys.
         """
-        keys = set.intersection(*(set(s) for s in samples))
+        keys = set(samples[0])
+        odd = next((s for s in samples if set(s) != keys), None)
+        if odd is not None:
+            raise ValueError(f"a batch mixes samples with keys {sorted(keys)} and {sorted(odd)}")
         captions = [s["text"] for s in samples] if "text" in keys else None
         batch = default_collate([{k: s[k] for k in keys if k != "text"} for s in samples])
         if captions is not None:

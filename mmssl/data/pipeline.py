@@ -1,17 +1,21 @@
-"""The shard stream: which worker reads which shards, in what order, and how batches are cut.
+"""The shard stream: what each (rank, worker) slot reads, in what order, and how batches are cut.
 
-One worker's stream is a pure function of (spec, epoch, rank, worker), read as a list of steps
-like open_clip's ``get_wds_dataset``: shard order -> tar expansion (webdataset's
-``tarfile_samples``, so URLs and ``pipe:`` work) -> shuffle of raw bytes -> late decode (bad
-samples skipped and counted) -> batch. Two modes:
+One worker's stream is a pure function of (spec, epoch plan, rank, worker), read as a list of
+steps like open_clip's ``get_wds_dataset``: the slot's pieces of shards -> tar expansion
+(webdataset's ``tarfile_samples``, so URLs and ``pipe:`` work) -> shuffle of raw bytes -> late
+decode (bad samples skipped and counted; augmentation drawn per sample) -> batch. Two modes:
 
-- **exact epochs** (default): shards are split across ranks and workers into fixed groups
-  balanced by sample count (greedy largest-first, using ``sizes.json``); every worker yields the
-  same number of batches, ``ceil(largest group / batch_size)``, so every rank yields the same
-  number of batches and DDP never hangs. A worker whose group runs out first tops up from a second
-  pass over its own shards. Each sample is served once per epoch; only these top-up batches repeat.
+- **exact epochs** (default): :mod:`mmssl.data.plan` deals the epoch's samples to slots from
+  (seed, epoch) at sample granularity, using ``sizes.json``: every rank gets the same number of
+  batches, each sample is read at most once, fewer than ``world x batch`` are left out. A slot's
+  range may start inside a shard: the samples before it are read from the tar, not decoded.
+  Only when bad samples leave a worker short does it fill its last batches from a second pass over
+  its own samples (warned).
 - **resampled** (open_clip's ``--dataset-resampled``): each worker draws shards with replacement
   (weighted across sources) forever; the nominal epoch is ``num_samples`` samples.
+
+Every sample's augmentation draws from a ``random.Random`` seeded by (seed, epoch, shard, key), so a
+sample gets the same crop whichever slot reads it and whether or not the run was resumed.
 
 Every batch carries three small Python integers, ``__worker__``, ``__raw__`` (raw samples the
 worker has consumed this epoch) and ``__skipped__`` (samples skipped since its previous batch);
@@ -23,8 +27,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
@@ -32,6 +37,7 @@ import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
 
 from mmssl.data.decode import BadSample, SampleDecoder
+from mmssl.data.plan import EpochPlan, Generation, Piece, ReservoirDraws, Topology, epoch_base, slot_seed, split_base
 from mmssl.data.sources import Source, shard_sizes
 
 log = logging.getLogger("mmssl.data")
@@ -55,11 +61,12 @@ class StreamSpec:
         world_size: number of processes.
         workers: loader workers per process (1 when ``num_workers=0``).
         resampled: resampled mode instead of exact epochs.
-        train: training stream (shuffled, full batches, fixed length); else one ordered pass with
-            a partial last batch (validation).
-        num_batches: batches per worker per epoch (training).
-        groups: exact mode, shard URLs of each (rank, worker) slot, ``rank * workers + worker``.
-        seed: base seed of shard order and shuffling.
+        train: training stream (shuffled, full batches, equal length on every rank); else one
+            ordered pass with a partial last batch (validation).
+        rank_batches: batches per rank in a fresh epoch (training).
+        sizes: exact training, samples per shard (one per URL of ``urls``).
+        groups: validation, shard URLs of each (rank, worker) slot, ``rank * workers + worker``.
+        seed: base seed of shard order, shuffling and augmentation.
         shuffle_buffer: raw samples held in the shuffle buffer.
         max_bad_fraction: stop when more than this fraction of a worker's samples is bad.
     """
@@ -71,31 +78,29 @@ class StreamSpec:
     workers: int = 1
     resampled: bool = False
     train: bool = True
-    num_batches: Optional[int] = None
+    rank_batches: Optional[int] = None
+    sizes: tuple[int, ...] = ()
     groups: tuple[tuple[str, ...], ...] = ()
     seed: int = 0
     shuffle_buffer: int = 1000
     max_bad_fraction: float = 0.1
 
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(u for s in self.sources for u in s.urls)
 
-def balance_shards(urls: Sequence[str], sizes: Sequence[int], slots: int) -> list[list[str]]:
-    """Split shards into ``slots`` groups of near-equal sample count (largest first to the lightest).
+    @property
+    def exact(self) -> bool:
+        """Exact-epoch training (planned by :mod:`mmssl.data.plan`)."""
+        return self.train and not self.resampled
 
-    Args:
-        urls: shard URLs.
-        sizes: samples per shard.
-        slots: number of groups (ranks x workers).
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.world_size, self.workers, self.batch_size, self.shuffle_buffer)
 
-    Returns:
-        The groups, each in the input order of its shards.
-    """
-    groups: list[list[int]] = [[] for _ in range(slots)]
-    totals = [0] * slots
-    for i in sorted(range(len(urls)), key=lambda i: (-sizes[i], i)):
-        slot = min(range(slots), key=lambda s: (totals[s], s))
-        groups[slot].append(i)
-        totals[slot] += sizes[i]
-    return [[urls[i] for i in sorted(group)] for group in groups]
+    def plan(self, epoch: int, history: Sequence[Generation] = ()) -> EpochPlan:
+        """The exact-epoch plan of ``epoch`` on this topology, after the elastic resumes in ``history``."""
+        return split_base(epoch_base(self.sizes, self.seed, epoch, history), self.topology)
 
 
 def plan_stream(
@@ -107,6 +112,7 @@ def plan_stream(
     resampled: bool = False,
     train: bool = True,
     num_samples: Optional[int] = None,
+    sizes: Optional[Sequence[int]] = None,
     **kwargs: Any,
 ) -> StreamSpec:
     """Decide the split and the epoch length for one rank.
@@ -120,14 +126,15 @@ def plan_stream(
         resampled: resampled mode.
         train: training stream (see :class:`StreamSpec`).
         num_samples: samples per epoch (resampled mode); from ``sizes.json`` when unset.
+        sizes: samples per shard; read from ``sizes.json`` (or counted, local shards) when unset.
         **kwargs: ``seed``, ``shuffle_buffer``, ``max_bad_fraction``.
 
     Returns:
         The spec of this rank's stream.
 
     Raises:
-        ValueError: exact mode with fewer shards than ranks x workers, weights in exact mode, or
-            an epoch length that cannot be known.
+        ValueError: weights in exact mode, an epoch too small for one global batch, or an epoch
+            length that cannot be known.
     """
     slots = world_size * workers
     urls = [u for s in sources for u in s.urls]
@@ -140,29 +147,25 @@ def plan_stream(
         groups = [urls[r::world_size][w::workers] for r in range(world_size) for w in range(workers)]
         return StreamSpec(groups=tuple(map(tuple, groups)), **common)
     if resampled:
-        sizes = None if num_samples else shard_sizes(urls)
+        sizes = None if num_samples else (sizes or shard_sizes(urls))
         if not num_samples and not sizes:
             raise ValueError("resampled mode needs the epoch length: set data.train_num_samples "
                              "(no sizes.json lists the shards)")
         total = num_samples or sum(sizes)
-        return StreamSpec(num_batches=max(1, math.ceil(total / (slots * batch_size))), **common)
+        return StreamSpec(rank_batches=workers * max(1, math.ceil(total / (slots * batch_size))), **common)
     if any(s.weight != 1.0 for s in sources):
         raise ValueError("weighted sources need data.resampled=true: an exact epoch reads every "
                          "sample once, so it cannot weight one source over another")
-    if len(urls) < slots:
-        raise ValueError(
-            f"exact epochs split shards across ranks x workers = {world_size} x {workers} = {slots} "
-            f"readers, but there are only {len(urls)} shards: set data.resampled=true (with "
-            f"data.train_num_samples), lower data.num_workers, or write smaller shards")
-    sizes = shard_sizes(urls)
+    sizes = list(sizes) if sizes is not None else shard_sizes(urls)
     if sizes is None:
         raise ValueError("exact epochs need the samples per shard: add a sizes.json beside the "
                          "shards (tools/make_shards.py writes one) or set data.resampled=true")
-    groups = balance_shards(urls, sizes, slots)
-    size_of = dict(zip(urls, sizes))
-    largest = max(sum(size_of[u] for u in g) for g in groups)
-    return StreamSpec(groups=tuple(map(tuple, groups)),
-                      num_batches=max(1, math.ceil(largest / batch_size)), **common)
+    rank_batches = sum(sizes) // (world_size * batch_size)
+    if rank_batches == 0:
+        raise ValueError(
+            f"{sum(sizes)} samples cannot fill one global batch of ranks x batch_size = {world_size} x "
+            f"{batch_size}: lower data.batch_size, or set data.resampled=true (with data.train_num_samples)")
+    return StreamSpec(sizes=tuple(sizes), rank_batches=rank_batches, **common)
 
 
 class _Health:
@@ -201,12 +204,16 @@ class _Health:
         return pending
 
 
+def _tar(url: str, health: _Health) -> Iterator[dict]:
+    return wds.tarfile_samples([{"url": url}], handler=functools.partial(health.tar_failed, url))
+
+
 def _read(urls: Iterator[str], health: _Health, give_up_after: Optional[int]) -> Iterator[dict]:
     """Raw samples of each shard in turn; unreadable shards or members are skipped and counted."""
     empty_in_row = 0
     for url in urls:
         got = 0
-        for sample in wds.tarfile_samples([{"url": url}], handler=functools.partial(health.tar_failed, url)):
+        for sample in _tar(url, health):
             got += 1
             health.raw += 1
             yield sample
@@ -216,21 +223,16 @@ def _read(urls: Iterator[str], health: _Health, give_up_after: Optional[int]) ->
                                f"{health.errors[-3:]}")
 
 
-def _shuffled(samples: Iterator[dict], bufsize: int, rng: random.Random) -> Iterator[dict]:
-    """Reservoir shuffle of raw samples, as webdataset's ``shuffle`` but fully flushed at the end."""
-    if bufsize <= 1:
-        yield from samples
-        return
-    buffer: list[dict] = []
-    for sample in samples:
-        if len(buffer) < bufsize:
-            buffer.append(sample)
-            continue
-        k = rng.randrange(len(buffer))
-        yield buffer[k]
-        buffer[k] = sample
-    rng.shuffle(buffer)
-    yield from buffer
+def _read_pieces(urls: Sequence[str], pieces: Sequence[Piece], health: _Health) -> Iterator[dict]:
+    """Raw samples of each piece in turn: members before a piece's range are read, not decoded."""
+    for piece in pieces:
+        wanted = set(piece.offsets) if piece.offsets else None
+        for offset, sample in enumerate(_tar(urls[piece.shard], health)):
+            if offset >= piece.hi:
+                break
+            if offset >= piece.lo and (wanted is None or offset in wanted):
+                health.raw += 1
+                yield sample
 
 
 def _resampled_urls(sources: Sequence[Source], rng: random.Random) -> Iterator[str]:
@@ -240,27 +242,43 @@ def _resampled_urls(sources: Sequence[Source], rng: random.Random) -> Iterator[s
         yield rng.choice(source.urls)
 
 
-def raw_stream(spec: StreamSpec, epoch: int, worker: int, health: _Health) -> Iterator[dict]:
+def _slot_raw(spec: StreamSpec, pieces: Sequence[Piece], seed: str, health: _Health) -> Iterator[dict]:
+    """A slot's shuffled raw samples; further passes only if bad input left it short of batches."""
+    urls, passes = spec.urls, 0
+    while True:
+        before = health.raw
+        draws = ReservoirDraws(seed if not passes else f"{seed}/pass{passes}", spec.shuffle_buffer)
+        yield from draws.shuffle(_read_pieces(urls, pieces, health))
+        shards = sorted({urls[p.shard] for p in pieces})
+        if health.raw == before:
+            raise RuntimeError(f"no sample could be read from shards {shards[:5]}"
+                               f"{' ...' if len(shards) > 5 else ''}; problems: {health.errors[-3:]}")
+        passes += 1
+        log.warning(f"{health.bad} bad samples left a worker short of batches: it repeats samples of "
+                    f"shards {shards[:3]}{' ...' if len(shards) > 3 else ''} to fill its last batches")
+
+
+def raw_stream(spec: StreamSpec, epoch: int, worker: int, health: _Health, plan: Optional[EpochPlan] = None,
+               generation: int = 0) -> Iterator[dict]:
     """The shuffled raw samples of one worker in one epoch (deterministic)."""
-    # Seeded from (seed, epoch, rank, worker); str seeds hash with SHA-512, stable across runs.
-    rng = random.Random(f"{spec.seed}/{epoch}/{spec.rank}/{worker}")
-    bufsize = spec.shuffle_buffer if spec.train else 0
+    if spec.exact:
+        slot = spec.rank * spec.workers + worker
+        plan = plan or spec.plan(epoch)
+        yield from _slot_raw(spec, plan.slots[slot], slot_seed(spec.seed, epoch, generation, slot), health)
+        return
     if spec.resampled:
-        yield from _shuffled(_read(_resampled_urls(spec.sources, rng), health, MAX_EMPTY_DRAWS), bufsize, rng)
+        # Seeded from (seed, epoch, rank, worker); str seeds hash with SHA-512, stable across runs.
+        rng = random.Random(f"{spec.seed}/{epoch}/{spec.rank}/{worker}")
+        draws = ReservoirDraws(f"{spec.seed}/{epoch}/{spec.rank}/{worker}", spec.shuffle_buffer)
+        yield from draws.shuffle(_read(_resampled_urls(spec.sources, rng), health, MAX_EMPTY_DRAWS))
         return
     slot = spec.rank * spec.workers + worker
-    group = list(spec.groups[slot]) if slot < len(spec.groups) else []
-    while group:  # passes; a training worker tops up its last batches from the next pass
-        if spec.train:
-            rng.shuffle(group)
-        before = health.raw
-        # Flushed per pass, so each pass serves all of its samples before the next begins.
-        yield from _shuffled(_read(iter(group), health, None), bufsize, rng)
-        if health.raw == before:
-            raise RuntimeError(f"no sample could be read from shards {group[:5]}"
-                               f"{' ...' if len(group) > 5 else ''}; problems: {health.errors[-3:]}")
-        if not spec.train:
-            return
+    yield from _read(iter(spec.groups[slot] if slot < len(spec.groups) else ()), health, None)
+
+
+def augmentation_rng(seed: int, epoch: int, sample: dict) -> random.Random:
+    """The RNG of one sample's augmentation: a function of (seed, epoch, shard file name, key)."""
+    return random.Random(f"{seed}/{epoch}/{os.path.basename(str(sample.get('__url__')))}/{sample.get('__key__')}")
 
 
 def collate(samples: list[dict], worker: int, raw: int, skipped: int, decoder: SampleDecoder) -> dict[str, torch.Tensor]:
@@ -273,9 +291,19 @@ def collate(samples: list[dict], worker: int, raw: int, skipped: int, decoder: S
 
 
 def worker_batches(
-    spec: StreamSpec, decoder: SampleDecoder, epoch: int, worker: int, done: int = 0, skip: int = 0
+    spec: StreamSpec,
+    decoder: SampleDecoder,
+    epoch: int,
+    worker: int,
+    done: int = 0,
+    skip: int = 0,
+    plan: Optional[EpochPlan] = None,
+    generation: int = 0,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Batches of one worker in one epoch.
+
+    A decoded sample whose keys differ from those of the first sample of its batch (say, it lacks
+    the label the others carry) is skipped as bad, so a batch never loses a key.
 
     Args:
         spec: the stream spec.
@@ -284,23 +312,32 @@ def worker_batches(
         worker: worker index within the rank.
         done: batches this worker already served this epoch (resume).
         skip: raw samples this worker already consumed this epoch (resume; skipped undecoded).
+        plan: exact training, the epoch's plan (default: the fresh plan of ``epoch``).
+        generation: elastic resumes before ``plan`` in this epoch (seeds its shuffle buffers).
 
     Returns:
-        An iterator over at most ``spec.num_batches - done`` batches.
+        An iterator over this worker's remaining batches.
     """
     health = _Health(spec.max_bad_fraction)
     health.muted = skip > 0
-    limit = None if spec.num_batches is None else spec.num_batches - done
+    if spec.exact:
+        plan = plan or spec.plan(epoch)
+        limit: Optional[int] = plan.worker_batches[worker] - done
+    else:
+        limit = None if spec.rank_batches is None else spec.rank_batches // spec.workers - done
     if limit is not None and limit <= 0:
         return
     batch: list[dict] = []
     position = 0
-    for position, sample in enumerate(raw_stream(spec, epoch, worker, health), start=1):
+    for position, sample in enumerate(raw_stream(spec, epoch, worker, health, plan, generation), start=1):
         if position <= skip:
             continue
         health.muted = False
         try:
-            batch.append(decoder(sample))
+            out = decoder(sample, augmentation_rng(spec.seed, epoch, sample)) if spec.train else decoder(sample)
+            if batch and out.keys() != batch[0].keys():
+                raise BadSample(f"has {sorted(out)}, its batch has {sorted(batch[0])}")
+            batch.append(out)
             health.seen += 1
         except BadSample as exn:
             health.sample_failed(sample, str(exn))
@@ -315,6 +352,32 @@ def worker_batches(
         yield collate(batch, worker, position, health.take_pending(), decoder)
 
 
+@dataclass(frozen=True)
+class EpochRun:
+    """What the workers of one rank read in one epoch, set before they start.
+
+    Attributes:
+        epoch: the epoch.
+        plan: exact training, its plan on this topology.
+        generation: elastic resumes inside this epoch before ``plan``.
+        offset: batches each rank served this epoch in earlier generations (elastic resume).
+        rotation: the worker whose batch comes next; the loader's round-robin starts at its
+            worker 0, so worker ``p`` plays worker ``(p + rotation) % workers``.
+        resume: worker -> (batches served, raw samples consumed) in this generation.
+    """
+
+    epoch: int
+    plan: Optional[EpochPlan] = None
+    generation: int = 0
+    offset: int = 0
+    rotation: int = 0
+    resume: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def length(self, spec: StreamSpec) -> int:
+        """Batches of the whole epoch on this rank, those of earlier generations included."""
+        return self.offset + (self.plan.rank_batches if self.plan is not None else spec.rank_batches or 0)
+
+
 class ShardStream(IterableDataset):
     """The per-rank dataset the loader iterates; each worker runs :func:`worker_batches`.
 
@@ -325,30 +388,23 @@ class ShardStream(IterableDataset):
 
     def __init__(self, spec: StreamSpec, decoder: SampleDecoder) -> None:
         self.spec, self.decoder = spec, decoder
-        self.epoch, self.rotation = 0, 0
-        self.resume: dict[int, tuple[int, int]] = {}
+        self.run = EpochRun(0)
 
-    def set_position(self, epoch: int, rotation: int = 0, resume: Optional[dict] = None) -> None:
-        """Set before workers start: epoch, and for a resume the first worker and what each served.
-
-        Args:
-            epoch: the epoch about to be read.
-            rotation: the worker whose batch comes next; the loader's round-robin starts at its
-                worker 0, so worker ``p`` plays worker ``(p + rotation) % workers``.
-            resume: worker -> (batches served, raw samples consumed) this epoch.
-        """
-        self.epoch, self.rotation, self.resume = epoch, rotation, dict(resume or {})
+    def set_run(self, run: EpochRun) -> None:
+        """Set before workers start: the epoch, its plan and, for a resume, where each worker stands."""
+        self.run = run
 
     def __len__(self) -> int:
-        if self.spec.num_batches is None:
+        if self.spec.rank_batches is None:
             raise TypeError("a validation stream has no length")
-        return self.spec.num_batches * self.spec.workers
+        return self.run.length(self.spec)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
         physical, count = (info.id, info.num_workers) if info is not None else (0, 1)
         if count != self.spec.workers:
             raise RuntimeError(f"stream planned for {self.spec.workers} workers runs in {count}")
-        worker = (physical + self.rotation) % count
-        done, skip = self.resume.get(worker, (0, 0))
-        return worker_batches(self.spec, self.decoder, self.epoch, worker, done, skip)
+        run = self.run
+        worker = (physical + run.rotation) % count
+        done, skip = run.resume.get(worker, (0, 0))
+        return worker_batches(self.spec, self.decoder, run.epoch, worker, done, skip, run.plan, run.generation)

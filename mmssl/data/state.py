@@ -1,19 +1,26 @@
 """Where the training stream stands, and the loader that starts each epoch from it.
 
-The stream of each worker is a deterministic function of (seed, epoch, rank, worker)
+The stream of each worker is a deterministic function of (seed, epoch plan, rank, worker)
 (:mod:`mmssl.data.pipeline`). The position is then a few integers per worker: the batches it has
-served this epoch and the raw samples it consumed for them. A resumed worker re-reads its shards
-and drops that many raw samples *before decoding* (cheap: tar reads only), then continues.
+served this epoch and the raw samples it consumed for them. Resumed on the same topology (ranks,
+workers, batch size, shuffle buffer), a worker re-reads its pieces and drops that many raw samples
+*before decoding* (tar reads only), then continues: exactly the batches the uninterrupted run
+would have served next. Resumed on another topology, the consumed samples of every old slot follow
+from its raw count (:func:`mmssl.data.plan.remaining`, a simulation of its shuffle buffer), and
+the rest of the epoch is dealt afresh over the new slots (an elastic resume): every remaining
+sample is read once, none consumed is read again, and what cannot fill a global batch is left out
+and reported.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Optional
 
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from mmssl.data.pipeline import ShardStream
+from mmssl.data.pipeline import EpochRun, ShardStream, StreamSpec
+from mmssl.data.plan import EpochPlan, Generation, Topology
 
 
 class StreamPosition:
@@ -21,34 +28,73 @@ class StreamPosition:
 
     Attributes:
         epoch: epoch the counters refer to (-1 before the first).
-        batches: per worker, batches handed to the model this epoch.
+        topology: how the current generation of the epoch is read (``None`` before the first).
+        history: earlier generations of this epoch (elastic resumes), oldest first.
+        offset: batches each rank served this epoch in those earlier generations.
+        batches: per worker, batches handed to the model this epoch (current generation).
         raw: per worker, raw samples consumed for those batches.
         skipped: bad samples and unreadable shard parts skipped so far in the run (this rank).
+        samples: samples per epoch of the data set the position refers to (exact mode).
     """
 
     def __init__(self) -> None:
         self.epoch = -1
+        self.topology: Optional[Topology] = None
+        self.history: list[Generation] = []
+        self.offset = 0
         self.batches: list[int] = []
         self.raw: list[int] = []
         self.skipped = 0
+        self.samples: Optional[int] = None
+        self._plan: Optional[tuple[tuple, EpochPlan]] = None
 
-    def start(self, epoch: int, workers: int, epoch_batches: int) -> tuple[int, dict[int, tuple[int, int]]]:
+    def _plan_of(self, epoch: int, spec: StreamSpec) -> EpochPlan:
+        """``spec.plan`` of the position's epoch and history, kept: an elastic one simulates buffers."""
+        key = (epoch, spec.topology, spec.sizes, spec.seed, tuple(self.history))
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, spec.plan(epoch, self.history))
+        return self._plan[1]
+
+    def continues(self, epoch: int, spec: StreamSpec) -> Optional[EpochRun]:
+        """The rest of ``epoch`` when the position stands inside it on ``spec``'s topology, else ``None``."""
+        if epoch != self.epoch or self.topology != spec.topology or len(self.batches) != spec.workers:
+            return None
+        served = sum(self.batches)
+        if not spec.exact:
+            if 0 < served < (spec.rank_batches or 0):
+                return EpochRun(epoch, rotation=served % spec.workers,
+                                resume={w: (self.batches[w], self.raw[w]) for w in range(spec.workers)})
+            return None
+        if not served and not self.history:
+            return None
+        plan = self._plan_of(epoch, spec)
+        if served >= plan.rank_batches and not self.history:
+            return None  # a finished epoch read again (a new fit) starts afresh; an elastic one stays done
+        # Batches went round-robin from worker 0, so the next one is worker served % workers.
+        return EpochRun(epoch, plan, len(self.history), self.offset, served % spec.workers,
+                        {w: (self.batches[w], self.raw[w]) for w in range(spec.workers)})
+
+    def start(self, epoch: int, spec: StreamSpec) -> EpochRun:
         """Begin iterating ``epoch``: continue it if the position is inside it, else start afresh.
 
         Args:
             epoch: epoch about to be read.
-            workers: loader workers.
-            epoch_batches: batches in a full epoch.
+            spec: this rank's stream.
 
         Returns:
-            ``(rotation, resume)`` for :meth:`ShardStream.set_position`.
+            The run for :meth:`ShardStream.set_run`.
         """
-        served = sum(self.batches)
-        if epoch == self.epoch and len(self.batches) == workers and 0 < served < epoch_batches:
-            # Batches went round-robin from worker 0, so the next one is worker served % workers.
-            return served % workers, {w: (self.batches[w], self.raw[w]) for w in range(workers)}
-        self.epoch, self.batches, self.raw = epoch, [0] * workers, [0] * workers
-        return 0, {}
+        run = self.continues(epoch, spec)
+        if run is not None:
+            return run
+        self.epoch, self.topology, self.history, self.offset = epoch, spec.topology, [], 0
+        self.batches, self.raw = [0] * spec.workers, [0] * spec.workers
+        self.samples = sum(spec.sizes) if spec.exact else None
+        return EpochRun(epoch, spec.plan(epoch) if spec.exact else None)
+
+    def _restart(self, reason: str) -> None:
+        rank_zero_warn(f"{reason}: the data stream restarts epoch {self.epoch} from its beginning")
+        self.epoch, self.topology, self.history, self.batches, self.raw = -1, None, [], [], []
 
     def update(self, worker: int, raw: int, skipped: int) -> None:
         """Record one batch handed to the model."""
@@ -59,20 +105,50 @@ class StreamPosition:
     def state_dict(self, raw_per_rank: Optional[list[list[int]]] = None) -> dict[str, Any]:
         """The position; ``raw_per_rank`` holds every rank's ``raw`` (all ranks in lockstep share
         ``epoch`` and ``batches``), defaulting to this rank's alone."""
+        topology = None if self.topology is None else vars(self.topology).copy()
         return {"epoch": self.epoch, "batches": list(self.batches),
                 "raw": raw_per_rank if raw_per_rank is not None else [list(self.raw)],
-                "skipped": self.skipped}
+                "skipped": self.skipped, "topology": topology, "offset": self.offset,
+                "samples": self.samples,
+                "history": [{"topology": vars(g.topology).copy(), "raw": [list(r) for r in g.raw]}
+                            for g in self.history]}
 
-    def load_state_dict(self, state: dict[str, Any], rank: int = 0) -> None:
-        """Restore; a checkpoint from another number of ranks restarts the epoch, with a warning."""
+    def load_state_dict(self, state: dict[str, Any], spec: StreamSpec) -> None:
+        """Restore the position for ``spec``'s rank and topology (see the module docstring).
+
+        Where the rest of the epoch cannot be read exactly (resampled mode on another topology, a
+        checkpoint without its topology, shards of another size), the epoch restarts with a warning.
+        """
         self.skipped = int(state.get("skipped", 0))
-        raw = state.get("raw", [])
-        if rank >= len(raw) or len(raw[rank]) != len(state.get("batches", [])):
-            warnings.warn(f"data position saved with {len(raw)} ranks cannot continue on rank {rank}: "
-                          f"the data stream restarts epoch {state.get('epoch')} from its beginning")
-            self.epoch, self.batches, self.raw = -1, [], []
+        self.epoch, self.batches, self.raw, self.offset = int(state["epoch"]), [], [], 0
+        self.topology, self.history = None, []
+        raw, batches = state.get("raw", []), list(state.get("batches", []))
+        if not sum(batches) and not state.get("history"):
+            return  # at an epoch boundary: nothing to continue
+        saved = Topology(**state["topology"]) if state.get("topology") else None
+        if spec.exact and state.get("samples") not in (None, sum(spec.sizes)):
+            return self._restart(f"the data position was saved for {state['samples']} samples per epoch, the "
+                                 f"shards now hold {sum(spec.sizes)}")
+        self.samples = state.get("samples")
+        history = [Generation(Topology(**g["topology"]), tuple(map(tuple, g["raw"]))) for g in state.get("history", [])]
+        if saved == spec.topology and len(raw) == spec.world_size:
+            self.topology, self.history, self.offset = saved, history, int(state.get("offset", 0))
+            self.batches, self.raw = batches, list(raw[spec.rank])
             return
-        self.epoch, self.batches, self.raw = int(state["epoch"]), list(state["batches"]), list(raw[rank])
+        if saved is None or len(raw) != saved.world:
+            return self._restart("the data position does not record the topology it was saved on (a checkpoint "
+                                 "of an older mmssl)")
+        if not spec.exact:
+            return self._restart(f"resampled streams continue only on the topology they were saved on ({saved})")
+        self.history = history + [Generation(saved, tuple(map(tuple, raw)))]
+        self.topology, self.offset = spec.topology, int(state.get("offset", 0)) + sum(batches)
+        self.batches, self.raw = [0] * spec.workers, [0] * spec.workers
+        plan = self._plan_of(self.epoch, spec)
+        rank_zero_info(
+            f"data: elastic resume of epoch {self.epoch} from {saved.world} ranks x {saved.workers} workers x "
+            f"batch {saved.batch} to {spec.world_size} x {spec.workers} x {spec.batch_size}: "
+            f"{plan.total} samples remain, {plan.rank_batches} batches per rank read "
+            f"{plan.total - plan.left_out} of them, {plan.left_out} are left out; none consumed is read again")
 
 
 class EpochLoader(DataLoader):
@@ -99,15 +175,19 @@ class EpochLoader(DataLoader):
     ) -> None:
         super().__init__(dataset, batch_size=None, persistent_workers=False, **kwargs)
         self.epoch_fn, self.position, self._calls = epoch_fn, position, 0
+        if position is not None:
+            # A resumed epoch has its own length (an elastic resume changes it): set it before
+            # the trainer asks for ``len``.
+            run = position.continues(position.epoch, dataset.spec)
+            if run is not None:
+                dataset.set_run(run)
 
     def __iter__(self):
         epoch = self.epoch_fn() if self.epoch_fn is not None else None
         epoch = self._calls if epoch is None else epoch
         self._calls += 1
-        rotation, resume = 0, {}
-        if self.position is not None:
-            rotation, resume = self.position.start(epoch, self.dataset.spec.workers, len(self.dataset))
-        self.dataset.set_position(epoch, rotation, resume)
+        spec = self.dataset.spec
+        self.dataset.set_run(self.position.start(epoch, spec) if self.position is not None else EpochRun(epoch))
         return super().__iter__()
 
     # Lightning warns that a loader without these cannot resume mid-epoch; the position is

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,11 +31,28 @@ IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 
 def train_sample_transform(image_size: int, scale: tuple[float, float] = (0.9, 1.0), hflip: bool = False) -> Callable:
-    """The per-sample half of :func:`train_transform`: PIL image -> ``(3, S, S)`` uint8 tensor.
+    """The per-sample half of :func:`train_transform`: PIL image (, rng) -> ``(3, S, S)`` uint8 tensor.
 
     Stack its outputs and apply :class:`BatchNormalize` once per batch.
     """
-    return T.Compose([RandomResizedCropFlip(image_size, scale, hflip), to_uint8_tensor])
+    return CropToUint8(RandomResizedCropFlip(image_size, scale, hflip))
+
+
+class CropToUint8:
+    """:class:`RandomResizedCropFlip` then :func:`to_uint8_tensor`, passing the sample's RNG on.
+
+    Args:
+        crop: the random crop (and flip).
+    """
+
+    def __init__(self, crop: "RandomResizedCropFlip") -> None:
+        self.crop = crop
+
+    def __call__(self, image: Image.Image, rng: Optional[random.Random] = None) -> torch.Tensor:
+        return to_uint8_tensor(self.crop(image, rng))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.crop!r})"
 
 
 def train_transform(
@@ -95,9 +112,11 @@ class RandomResizedCropFlip:
     """``RandomResizedCrop`` (bicubic) + optional ``RandomHorizontalFlip`` on a PIL image.
 
     torchvision's crop sampler (same area / log-aspect-ratio draws, ten tries, then a centre crop
-    of the clamped ratio) on Python's ``random`` (seeded per loader worker by the DataLoader)
-    instead of one-element torch tensors, which cost ~80 us per image in torchvision; the crop
-    and the resize are Pillow's, as in torchvision.
+    of the clamped ratio) on a Python ``random.Random`` instead of one-element torch tensors, which
+    cost ~80 us per image in torchvision; the crop and the resize are Pillow's, as in torchvision.
+    The training stream passes each sample its own RNG, drawn from (seed, epoch, sample)
+    (:func:`~mmssl.data.pipeline.augmentation_rng`), so the crop of a sample does not depend on
+    which worker reads it or on a resume; without one, the module-level ``random`` is used.
 
     Args:
         size: output side in pixels.
@@ -113,16 +132,17 @@ class RandomResizedCropFlip:
         self.size, self.scale, self.ratio, self.hflip = size, tuple(scale), tuple(ratio), hflip
         self._log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
 
-    def crop_box(self, width: int, height: int) -> tuple[int, int, int, int]:
-        """A random ``(left, top, right, bottom)`` crop of a ``width`` x ``height`` image."""
+    def crop_box(self, width: int, height: int, rng: Optional[random.Random] = None) -> tuple[int, int, int, int]:
+        """A random ``(left, top, right, bottom)`` crop of a ``width`` x ``height`` image, drawn from ``rng``."""
+        draw = rng or random
         area = width * height
         for _ in range(10):
-            target = area * random.uniform(*self.scale)
-            aspect = math.exp(random.uniform(*self._log_ratio))
+            target = area * draw.uniform(*self.scale)
+            aspect = math.exp(draw.uniform(*self._log_ratio))
             w = int(round(math.sqrt(target * aspect)))
             h = int(round(math.sqrt(target / aspect)))
             if 0 < w <= width and 0 < h <= height:
-                left, top = random.randint(0, width - w), random.randint(0, height - h)
+                left, top = draw.randint(0, width - w), draw.randint(0, height - h)
                 return left, top, left + w, top + h
         # Fallback (torchvision's): the whole image, cut to the nearest allowed aspect ratio.
         in_ratio = width / height
@@ -135,9 +155,9 @@ class RandomResizedCropFlip:
         left, top = (width - w) // 2, (height - h) // 2
         return left, top, left + w, top + h
 
-    def __call__(self, image: Image.Image) -> Image.Image:
-        image = image.crop(self.crop_box(*image.size)).resize((self.size, self.size), Image.BICUBIC)
-        if self.hflip and random.random() < 0.5:
+    def __call__(self, image: Image.Image, rng: Optional[random.Random] = None) -> Image.Image:
+        image = image.crop(self.crop_box(*image.size, rng)).resize((self.size, self.size), Image.BICUBIC)
+        if self.hflip and (rng or random).random() < 0.5:
             image = image.transpose(Image.FLIP_LEFT_RIGHT)
         return image
 

@@ -7,13 +7,15 @@ tar expansion -> shuffle of raw bytes -> late decode and tokenisation in the wor
 (:mod:`mmssl.data.state`), so a run resumes mid-epoch.
 
 Resume guarantee: a checkpoint written after the model has taken batch ``k`` of an epoch (e.g.
-``ModelCheckpoint(every_n_train_steps=...)``, saved at the end of that step) records, per worker,
-the batches served and the raw samples consumed for them. Resumed with the same shards, seed,
-batch size, number of ranks and workers, each rank yields exactly the batches ``k+1, k+2, ...``
-that the uninterrupted run would have yielded, in the same order: nothing repeated, nothing
-skipped. Batches that were prefetched by the loader but not handed to the model when the
-checkpoint was written are produced again (they were never trained on). With a different number
-of ranks or workers the epoch restarts from its beginning, with a warning.
+``ModelCheckpoint(every_n_train_steps=...)``, saved at the end of that step) records the topology
+(ranks, workers, batch size, shuffle buffer) and, per worker of every rank, the batches served and
+the raw samples consumed for them. Resumed with the same shards, seed and topology, each rank
+yields exactly the batches ``k+1, k+2, ...`` that the uninterrupted run would have yielded, in the
+same order, with the same crops: nothing repeated, nothing skipped. Batches that were prefetched
+by the loader but not handed to the model when the checkpoint was written are produced again (they
+were never trained on). Resumed on another topology (exact epochs), the epoch is finished
+elastically (:mod:`mmssl.data.state`): every sample not yet consumed is read once, none consumed
+is read again, and fewer than ``world x batch`` of them are left out (reported).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from mmssl.data.decode import SampleDecoder, draft_size, trim_text_padding
 from mmssl.data.demo import demo_data
@@ -107,6 +110,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         self.max_bad_fraction, self.reduced_decode, self.demo_dir = max_bad_fraction, reduced_decode, demo_dir
         self.eval_data: Optional[str] = None  # labelled held-out folder, set in demo mode
         self.position = StreamPosition()
+        self._loaded: Optional[dict[str, Any]] = None  # a checkpoint's position, applied with the stream
 
     def prepare_data(self) -> None:
         if self.train_data is None:
@@ -126,9 +130,25 @@ class ImageTextDataModule(pl.LightningDataModule):
             for key, data, train in (("train_data", self.train_data, True), ("val_data", self.val_data, False)):
                 if data:
                     try:
-                        self.build_stream(data, train, rank, world)
+                        stream = self.build_stream(data, train, rank, world)
                     except (ValueError, FileNotFoundError) as err:
                         raise type(err)(f"data.{key}={data!r}: {err}") from err
+                    if train:
+                        self._report(stream)
+
+    def _report(self, stream: ShardStream) -> None:
+        """Log the training epoch's plan once (rank 0): samples, left out, duplicates, batches."""
+        spec = stream.spec
+        topology = f"{spec.world_size} ranks x {spec.workers} workers x batch {spec.batch_size}"
+        if not spec.exact:
+            rank_zero_info(f"data: resampled stream over {topology}: {spec.rank_batches} batches per rank "
+                           f"per nominal epoch, shards drawn with replacement")
+            return
+        total = sum(spec.sizes)
+        used = spec.rank_batches * spec.world_size * spec.batch_size
+        rank_zero_info(f"data: exact epochs over {topology}: {total} samples, {used} read per epoch in "
+                       f"{spec.rank_batches} batches per rank, {total - used} left out, 0 duplicates; "
+                       f"shards re-dealt every epoch")
 
     # Pipeline -----------------------------------------------------------------------------------
 
@@ -172,8 +192,17 @@ class ImageTextDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> EpochLoader:
         rank, world = self._rank_world()
         stream = self.build_stream(self.train_data, True, rank, world)
-        return EpochLoader(stream, self._current_epoch, self.position, num_workers=self.num_workers,
-                           pin_memory=torch.cuda.is_available())
+        if self._loaded is not None:
+            self.position.load_state_dict(self._loaded, stream.spec)
+            self._loaded = None
+        loader = EpochLoader(stream, self._current_epoch, self.position, num_workers=self.num_workers,
+                             pin_memory=torch.cuda.is_available())
+        trainer = self.trainer
+        if trainer is not None and len(loader) != stream.spec.rank_batches and not trainer.reload_dataloaders_every_n_epochs:
+            # An elastic resume gives the resumed epoch its own length; the trainer reads a loader's
+            # length once unless it reloads it, so reload every epoch for the next ones to be whole.
+            trainer.reload_dataloaders_every_n_epochs = 1
+        return loader
 
     def val_dataloader(self) -> Union[EpochLoader, list]:
         if not self.val_data:
@@ -214,7 +243,13 @@ class ImageTextDataModule(pl.LightningDataModule):
             logger.log_metrics({"data/skipped": float(total)}, step=trainer.global_step)
 
     def state_dict(self) -> dict[str, Any]:
-        """The training stream's position (see the module docstring for the resume guarantee)."""
+        """The training stream's position (see the module docstring for the resume guarantee).
+
+        ``{"position": {"epoch", "batches": [per worker], "raw": [[per worker] per rank], "skipped",
+        "topology": {world, workers, batch, buffer}, "offset", "samples", "history"}, "seed"}``.
+        """
+        if self._loaded is not None:  # restored but not yet applied (no training loader built)
+            return {"position": self._loaded, "seed": self.seed}
         trainer = self.trainer
         raw_per_rank = None
         if trainer is not None and trainer.world_size > 1:
@@ -225,6 +260,11 @@ class ImageTextDataModule(pl.LightningDataModule):
         return {"position": self.position.state_dict(raw_per_rank), "seed": self.seed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the position saved by :meth:`state_dict` for this rank."""
-        rank = self.trainer.global_rank if self.trainer is not None else 0
-        self.position.load_state_dict(state_dict["position"], rank)
+        """Restore the position saved by :meth:`state_dict`; applied when the training loader is built."""
+        if state_dict.get("seed", self.seed) != self.seed:
+            rank_zero_warn(f"the data position was saved with data.seed={state_dict['seed']}, this run has "
+                           f"data.seed={self.seed}: the data stream restarts epoch "
+                           f"{state_dict['position'].get('epoch')} from its beginning")
+            self.position.skipped = int(state_dict["position"].get("skipped", 0))
+            return
+        self._loaded = state_dict["position"]

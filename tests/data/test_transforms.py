@@ -23,7 +23,7 @@ def test_same_pixels_as_torchvision_for_the_same_crop(monkeypatch):
     image = _photo()
     box = (3, 5, 3 + 24, 5 + 20)  # left, top, right, bottom
     crop = RandomResizedCropFlip(16, scale=(0.2, 1.0))
-    monkeypatch.setattr(crop, "crop_box", lambda w, h: box)
+    monkeypatch.setattr(crop, "crop_box", lambda w, h, rng=None: box)
     mine = BatchNormalize(OPENAI_MEAN, OPENAI_STD)(to_uint8_tensor(crop(image)))
     reference = TF.normalize(TF.to_tensor(TF.resized_crop(image, 5, 3, 20, 24, [16, 16], T.InterpolationMode.BICUBIC)),
                              OPENAI_MEAN, OPENAI_STD)
@@ -43,6 +43,17 @@ def test_crop_boxes_stay_inside_the_image_and_the_scale_range():
         assert 3 / 4 - 0.1 <= ratio <= 4 / 3 + 0.1  # rounding to whole pixels
     assert 0.25 <= min(areas) and max(areas) <= 0.65
     assert np.std(areas) > 0.05  # actually random
+
+
+def test_a_sample_rng_decides_the_crop_and_flip_alone():
+    image = _photo(40, 30)
+    crop = RandomResizedCropFlip(16, scale=(0.2, 1.0), hflip=True)
+    first = np.asarray(crop(image, random.Random("0/3/00007.tar/s00042")))
+    random.seed(5)  # the module-level RNG plays no part once a sample RNG is given
+    again = np.asarray(crop(image, random.Random("0/3/00007.tar/s00042")))
+    other = [np.asarray(crop(image, random.Random(f"0/3/00007.tar/s{i:05d}"))) for i in range(8)]
+    assert np.array_equal(first, again)
+    assert not all(np.array_equal(first, o) for o in other)
 
 
 def test_flip_happens_about_half_the_time_and_only_when_asked():

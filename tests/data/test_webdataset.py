@@ -51,9 +51,17 @@ def test_exact_mode_splits_without_overlap_and_covers_everything(tmp_path):
     assert len(stream) == counts[0, 0] * 2  # the loader's length matches what is yielded
 
 
-def test_exact_mode_with_too_few_shards_points_to_resampled(tmp_path):
-    write_dataset(tmp_path, [4, 4, 4])
-    with pytest.raises(ValueError, match="resampled=true"):
+def test_fewer_shards_than_readers_are_split_inside_shards(tmp_path):
+    every = write_dataset(tmp_path, [4, 4, 4])  # 3 shards, 2 ranks x 2 workers = 4 readers
+    streams = _rank_streams(_module(str(tmp_path)), str(tmp_path), world=2)
+    assert [len(streams[r, w]) for r in (0, 1) for w in (0, 1)] == [2, 1, 2, 1]  # 3 batches per rank
+    labels = [x for batches in streams.values() for x in _labels(batches)]
+    assert sorted(labels) == every  # 12 = 2 ranks x 3 batches x 2: all read, none twice
+
+
+def test_an_epoch_smaller_than_one_global_batch_points_to_resampled(tmp_path):
+    write_dataset(tmp_path, [2, 1])
+    with pytest.raises(ValueError, match="cannot fill one global batch.*resampled=true"):
         _module(str(tmp_path)).build_stream(str(tmp_path), True, rank=0, world_size=2)
 
 
@@ -68,11 +76,14 @@ def test_same_config_gives_same_stream_and_epochs_differ(tmp_path):
     write_dataset(tmp_path, [6, 6, 6, 6])
     module = _module(str(tmp_path))
     stream = module.build_stream(str(tmp_path), True)
-    first = _labels(worker_batches(stream.spec, stream.decoder, 0, 1))
-    again = _labels(worker_batches(module.build_stream(str(tmp_path), True).spec, stream.decoder, 0, 1))
-    other_epoch = _labels(worker_batches(stream.spec, stream.decoder, 1, 1))
+
+    def epoch(spec, number):
+        return [_labels(worker_batches(spec, stream.decoder, number, w)) for w in range(2)]
+
+    first, again = epoch(stream.spec, 0), epoch(module.build_stream(str(tmp_path), True).spec, 0)
+    other_epoch = epoch(stream.spec, 1)
     assert first == again
-    assert first != other_epoch and sorted(first) == sorted(other_epoch)
+    assert first != other_epoch and sorted(sum(first, [])) == sorted(sum(other_epoch, [])) == list(range(24))
 
 
 def _through_module(module, loader, limit=None):
@@ -97,8 +108,12 @@ def test_resume_mid_epoch_continues_with_the_remainder(tmp_path):
     resumed.load_state_dict(state)
     tail = _through_module(resumed, resumed.train_dataloader())
     assert head + tail == full
-    # The epoch after the resumed one starts afresh, as in an uninterrupted run.
-    assert len(_through_module(resumed, resumed.train_dataloader())) == len(full)
+    # The epoch after the resumed one starts afresh (a reshuffled whole epoch), as in an uninterrupted run.
+    loader = resumed.train_dataloader()
+    _through_module(resumed, loader)
+    next_epoch = _through_module(resumed, loader)
+    assert len(next_epoch) == len(full) and next_epoch != full
+    assert sorted(sum(next_epoch, [])) == sorted(sum(full, []))
 
 
 def test_weighted_sources_are_mixed_by_weight(tmp_path):
@@ -151,13 +166,13 @@ def test_training_batches_are_normalised_and_tokenised_once_per_batch(tmp_path):
         calls.append(len(texts))
         return count_tokenizer(texts)
 
-    module = _module(str(tmp_path / "d"), num_workers=1, batch_size=3, image_mean=(0.5,) * 3, image_std=(0.25,) * 3,
+    module = _module(str(tmp_path / "d"), num_workers=1, batch_size=6, image_mean=(0.5,) * 3, image_std=(0.25,) * 3,
                      tokenizer=tokenizer)
     stream = module.build_stream(module.train_data, True)
     batch = next(worker_batches(stream.spec, stream.decoder, 0, 0))
-    assert calls == [3]  # one tokenizer call for the whole batch
+    assert calls == [6]  # one tokenizer call for the whole batch
     image = batch["image"]
-    assert image.dtype == torch.float32 and image.shape == (3, 3, 8, 8)
+    assert image.dtype == torch.float32 and image.shape == (6, 3, 8, 8)
     # (x / 255 - 0.5) / 0.25 lies in [-2, 2] and uses the whole range of these random pictures
     assert -2.0 - 1e-6 <= float(image.min()) < -1.0 and 1.0 < float(image.max()) <= 2.0 + 1e-6
 

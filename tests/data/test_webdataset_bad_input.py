@@ -68,6 +68,7 @@ def test_too_many_bad_samples_stop_with_the_fraction(tmp_path):
 def test_no_readable_shard_fails_naming_the_shards(tmp_path):
     for i in range(2):
         (tmp_path / f"{i:05d}.tar").write_bytes(b"junk" * 50)
+    (tmp_path / "sizes.json").write_text('{"00000.tar": 2, "00001.tar": 2}')  # claims samples it lacks
     module = _module(train_data=str(tmp_path))
     stream = module.build_stream(str(tmp_path), True)
     with pytest.raises(RuntimeError, match="no sample could be read from shards .*0000[01].tar"):
