@@ -2,7 +2,8 @@
 
     python tools/inspect_shards.py "shards/{00000..00009}.tar" --show 3
 
-Exits with status 1 when a sample or shard is bad.
+Exits with status 1 when a sample or shard is bad; warns (status 0) about shards whose labels or
+captions are nearly constant.
 """
 
 import argparse
@@ -16,11 +17,13 @@ def main(argv=None) -> int:
     parser.add_argument("data", help="shard pattern, folder, URL or pipe: command")
     parser.add_argument("--show", type=int, default=3, help="good samples to print")
     args = parser.parse_args(argv)
-    good, problems, shown = inspect_shards(args.data, show=args.show)
+    good, problems, shown, warnings = inspect_shards(args.data, show=args.show)
     for sample in shown:
         print(sample)
     for line in problems:
         print("BAD", line)
+    for line in warnings:
+        print("WARNING", line)
     print(f"{good} good samples, {len(problems)} problems")
     return 1 if problems else 0
 

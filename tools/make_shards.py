@@ -5,13 +5,14 @@
 
 A folder holds one sub-folder per class: each image gets ``cls`` (class index, folders sorted)
 and a caption from the template; ``classnames.txt`` is written too. A table has rows
-``path,caption[,label]``. Writes ``sizes.json`` beside the shards.
+``path,caption[,label]``. Samples are shuffled across the shards (``--seed``; ``--no-shuffle``
+keeps the input order), so no shard holds one class. Writes ``sizes.json`` beside the shards.
 """
 
 import argparse
 from pathlib import Path
 
-from mmssl.data.shards import folder_items, table_items, write_shards
+from mmssl.data.shards import folder_items, shuffled, table_items, write_shards
 
 
 def main(argv=None) -> None:
@@ -24,6 +25,8 @@ def main(argv=None) -> None:
     parser.add_argument("--shard-size", type=int, default=10000, help="samples per shard")
     parser.add_argument("--resize", type=int, default=None, help="shrink the short side to this")
     parser.add_argument("--prefix", default="", help="shard file name prefix")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the shuffle across shards")
+    parser.add_argument("--no-shuffle", action="store_true", help="write samples in input order")
     args = parser.parse_args(argv)
     if args.folder:
         items, names = folder_items(args.folder, args.template)
@@ -31,6 +34,8 @@ def main(argv=None) -> None:
         Path(args.output, "classnames.txt").write_text("\n".join(names) + "\n")
     else:
         items = table_items(args.table)
+    if not args.no_shuffle:
+        items = shuffled(items, args.seed)
     sizes = write_shards(items, args.output, args.shard_size, args.resize, args.prefix, total=len(items))
     print(f"wrote {sum(sizes.values())} samples in {len(sizes)} shards to {args.output}")
 

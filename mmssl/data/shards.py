@@ -1,6 +1,7 @@
 """Write and check webdataset shards (img2dataset layout); ``tools/make_shards.py`` and
 ``tools/inspect_shards.py`` are thin command lines over these functions.
 
+:func:`shuffled` mixes the samples before they are written (a folder lists them class by class).
 Shards hold ``{key}.jpg|png`` (or the original bytes), ``{key}.txt`` and, when labelled,
 ``{key}.cls``; a ``sizes.json`` beside them lists samples per shard (open_clip's convention),
 which exact-epoch training needs.
@@ -12,7 +13,9 @@ import csv
 import io
 import json
 import os
+import random
 import tarfile
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -24,6 +27,19 @@ from mmssl.data.decode import BadSample, SampleDecoder
 from mmssl.data.sources import expand_urls
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+# inspect_shards warns about a shard whose most common label or caption covers more than this
+# fraction of its samples (a class-ordered shard: its batches would be nearly one class), once the
+# shard holds at least MIN_SAMPLES_TO_JUDGE samples.
+NEARLY_CONSTANT = 0.9
+MIN_SAMPLES_TO_JUDGE = 10
+
+
+def shuffled(items: list, seed: int = 0) -> list:
+    """``items`` in an order drawn from ``seed``: shards written from a class-ordered folder then
+    mix classes, so a worker's shuffle buffer, which only mixes nearby samples, sees many classes."""
+    items = list(items)
+    random.Random(seed).shuffle(items)
+    return items
 
 
 def folder_items(root: str, template: str = "a photo of a {c}.") -> tuple[list[tuple[str, str, int]], list[str]]:
@@ -119,7 +135,7 @@ def write_shards(
 
 def inspect_shards(
     data: str, decoder: Optional[SampleDecoder] = None, show: int = 3
-) -> tuple[int, list[str], list[dict]]:
+) -> tuple[int, list[str], list[dict], list[str]]:
     """Read every sample of some shards, validating each.
 
     Args:
@@ -129,10 +145,12 @@ def inspect_shards(
         show: how many good samples to return for printing.
 
     Returns:
-        ``(good count, problems, first samples)``; problems are one line each naming shard and key.
+        ``(good count, problems, first samples, warnings)``; problems are one line each naming
+        shard and key; warnings name shards whose labels or captions are nearly constant.
     """
     decoder = decoder or SampleDecoder(_identity, tokenizer=list)
     problems: list[str] = []
+    warnings: list[str] = []
     shown: list[dict] = []
     good = 0
 
@@ -142,16 +160,32 @@ def inspect_shards(
 
     urls = expand_urls(data)
     for url in tqdm(urls, desc="checking shards", unit="shard"):
+        values: dict[str, Counter] = {"label": Counter(), "caption": Counter()}
         for sample in wds.tarfile_samples([{"url": url}], handler=lambda e, u=url: on_error(u, e)):
             try:
-                decoder(sample)
+                decoded = decoder(sample)
             except BadSample as exn:
                 problems.append(f"{url} {sample.get('__key__')!r}: {exn}")
                 continue
             good += 1
+            values["label"].update([decoded["label"]] if "label" in decoded else [])
+            values["caption"].update([decoded["text"]] if "text" in decoded else [])
             if len(shown) < show:
                 shown.append(_summary(sample))
-    return good, problems, shown
+        warnings += _nearly_constant(url, values)
+    return good, problems, shown, warnings
+
+
+def _nearly_constant(url: str, values: dict[str, Counter]) -> list[str]:
+    lines = []
+    for what, counts in values.items():
+        total = sum(counts.values())
+        if total >= MIN_SAMPLES_TO_JUDGE:
+            value, top = counts.most_common(1)[0]
+            if top > NEARLY_CONSTANT * total:
+                lines.append(f"{url}: {top} of {total} samples have the {what} {value!r}; batches drawn from it "
+                             f"will be nearly one {what} (write shards with tools/make_shards.py, which shuffles)")
+    return lines
 
 
 def _summary(sample: dict) -> dict:

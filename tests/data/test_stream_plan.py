@@ -1,0 +1,93 @@
+"""Exact epochs at scale: plans without duplicates, shards re-dealt every epoch, every sample once."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+
+from shard_helpers import count_tokenizer, write_dataset
+
+from mmssl.data.pipeline import worker_batches
+from mmssl.data.plan import Piece, Topology, describe, fresh_base, overlap, remaining, split_base
+from mmssl.data.webdataset import ImageTextDataModule
+
+
+def test_imagenet_layout_on_640_slots_has_no_duplicates_and_equal_ranks():
+    rng = random.Random(0)
+    sizes = [rng.randint(900, 1100) for _ in range(1282)]
+    topology = Topology(world=64, workers=10, batch=256, buffer=1000)
+    start = time.perf_counter()
+    plan = split_base(fresh_base(sizes, seed=0, epoch=0), topology)
+    assert time.perf_counter() - start < 1.0
+    assert overlap(plan) == 0
+    assert plan.left_out == sum(sizes) - 64 * plan.rank_batches * 256 and 0 <= plan.left_out < 64 * 256
+    assert max(plan.worker_batches) - min(plan.worker_batches) <= 1
+    per_slot = [sum(len(p) for p in slot) for slot in plan.slots]
+    assert per_slot == [b * 256 for b in plan.worker_batches] * 64  # equal batches on every rank
+    assert sum(per_slot) + plan.left_out == sum(sizes)
+
+
+def test_laion_layout_plans_in_well_under_a_second():
+    sizes = [10000 - (i % 7) for i in range(41408)]
+    start = time.perf_counter()
+    plan = split_base(fresh_base(sizes, seed=0, epoch=0), Topology(world=128, workers=10, batch=256, buffer=1000))
+    assert time.perf_counter() - start < 1.0
+    assert plan.left_out < 128 * 256 and overlap(plan) == 0
+
+
+def test_describe_measures_mixing_between_epochs():
+    summary = describe([100 + i % 5 for i in range(200)], Topology(world=4, workers=2, batch=16, buffer=10), epochs=3)
+    assert summary.duplicates == (0, 0, 0) and summary.read + summary.left_out == summary.samples
+    assert summary.rank_batches == summary.samples // 64 and summary.worker_batches[1] - summary.worker_batches[0] <= 1
+    assert len(summary.slot_changed) == 2 and min(summary.slot_changed) > 0.8  # shards re-dealt every epoch
+
+
+def test_overlap_counts_samples_read_twice():
+    sizes = [10, 10]
+    plan = split_base([Piece(0, 0, 10), Piece(1, 0, 10)], Topology(2, 1, 5, 1))
+    assert overlap(plan) == 0
+    doubled = plan.__class__(plan.slots + ((Piece(0, 8, 10), Piece(1, 0, 0, (3, 9))),), plan.worker_batches,
+                             sum(sizes), 0)
+    assert overlap(doubled) == 4
+
+
+def test_remaining_matches_a_replayed_shuffle_buffer():
+    pieces = [Piece(0, 3, 20), Piece(5, 0, 1, ()), Piece(2, 0, 9, (1, 4, 8)), Piece(7, 0, 30)]
+    ids = [i for p in pieces for i in p.ids()]
+    from mmssl.data.plan import ReservoirDraws
+
+    for buffer in (1, 4, 16, 100):
+        emitted = list(ReservoirDraws("s", buffer).shuffle(iter(ids)))
+        assert sorted(emitted) == sorted(ids)
+        for raw in (0, 1, 7, len(ids) - buffer, len(ids) - 2, len(ids)):
+            if raw < 0:
+                continue
+            left = [i for p in remaining(pieces, raw, buffer, "s") for i in p.ids()]
+            assert sorted(left) == sorted(set(ids) - set(emitted[:raw])), (buffer, raw)
+
+
+def _module(data, **kwargs) -> ImageTextDataModule:
+    defaults = dict(batch_size=2, num_workers=2, image_size=8, shuffle_buffer=4, tokenizer=count_tokenizer)
+    return ImageTextDataModule(train_data=data, **{**defaults, **kwargs})
+
+
+def test_every_sample_once_per_epoch_and_shards_change_slot(tmp_path):
+    every = write_dataset(tmp_path, [5, 7, 3, 6, 4, 5, 6, 5])  # 41 samples: one left out per epoch
+    module = _module(str(tmp_path))
+    specs = [module.build_stream(str(tmp_path), True, rank, 2).spec for rank in range(2)]
+    decoder = module.build_stream(str(tmp_path), True).decoder
+    readers = []
+    for epoch in range(3):
+        labels, batches = [], Counter()
+        for spec in specs:
+            for worker in range(2):
+                out = list(worker_batches(spec, decoder, epoch, worker))
+                batches[spec.rank] += len(out)
+                labels += [int(x) for b in out for x in b["label"]]
+        plan = specs[0].plan(epoch)
+        assert batches[0] == batches[1] == plan.rank_batches == 10
+        assert len(labels) == len(set(labels)) == len(every) - plan.left_out == 40  # each once
+        readers.append({p.shard: slot for slot, pieces in enumerate(plan.slots) for p in pieces})
+    for before, after in zip(readers, readers[1:]):
+        assert sum(before[s] != after.get(s) for s in before) >= len(before) // 2
