@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from mmssl.callbacks.guards import NonFiniteGuard
+from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.summary import RunSummary
 
 
@@ -62,6 +62,8 @@ class MMSSLCLI(LightningCLI):
         # Always on, configurable: the start/end report, and the non-finite step guard.
         parser.add_lightning_class_args(RunSummary, "summary")
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite_guard")
+        # Always on: no DDP buffer broadcast in evaluation forwards (ranks' batch counts differ).
+        parser.add_lightning_class_args(EvaluationBufferSync, "evaluation_buffer_sync")
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         config = self._get(self.config_init, "trainer", default={})

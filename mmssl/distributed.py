@@ -29,6 +29,22 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+def seed_per_rank(global_rank: int, num_ranks: int) -> None:
+    """Give each rank its own torch RNG stream, derived from the run's seed and the rank.
+
+    ``seed_everything`` seeds every rank alike, so every rank would draw the same MAE / FLIP masks
+    and dropout; MAE's ``main_pretrain.py`` seeds ``args.seed + misc.get_rank()``, as here. Call it
+    once per fit, on every rank (purely local: no collective). One process keeps its stream as
+    it is, so single-process runs are unchanged by it.
+
+    Args:
+        global_rank: this process's rank.
+        num_ranks: the number of processes.
+    """
+    if num_ranks > 1:
+        torch.manual_seed(torch.initial_seed() + global_rank)
+
+
 def gather_with_grad(x: Tensor) -> Tensor:
     """Concatenate ``x`` from every rank in rank order, with gradients flowing back to each owner.
 

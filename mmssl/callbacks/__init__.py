@@ -1,6 +1,6 @@
 """Evaluation and reporting callbacks, composed onto any model through YAML."""
 
-from mmssl.callbacks.guards import NonFiniteGuard
+from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.knn import KNNProbe
 from mmssl.callbacks.linear_probe import LinearProbe
 from mmssl.callbacks.reconstructions import Reconstructions
@@ -8,4 +8,4 @@ from mmssl.callbacks.summary import RunSummary
 from mmssl.callbacks.throughput import Throughput
 from mmssl.callbacks.zero_shot import ZeroShot
 
-__all__ = ["KNNProbe", "LinearProbe", "NonFiniteGuard", "Reconstructions", "RunSummary", "Throughput", "ZeroShot"]
+__all__ = ["EvaluationBufferSync", "KNNProbe", "LinearProbe", "NonFiniteGuard", "Reconstructions", "RunSummary", "Throughput", "ZeroShot"]

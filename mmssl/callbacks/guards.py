@@ -1,4 +1,5 @@
-"""Guards for long runs: skip steps whose gradients are not finite, stop after too many in a row.
+"""Guards for long runs: skip steps whose gradients are not finite, stop after too many in a row;
+keep DDP's buffer broadcast out of evaluation, where ranks run unequal numbers of batches.
 
 Lightning's ``detect_anomaly`` only raises, and GradScaler's skip exists only for fp16; bf16 and
 fp32 runs need the same protection, so it is written here as a small callback.
@@ -10,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 
 class NonFiniteGuard(pl.Callback):
@@ -62,3 +64,35 @@ class NonFiniteGuard(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped = state_dict["skipped"]
         self.consecutive = state_dict["consecutive"]
+
+
+class EvaluationBufferSync(pl.Callback):
+    """Keep DDP's buffer broadcast out of validation inside ``fit``, and leave DDP as it was found.
+
+    During ``fit`` Lightning runs ``validation_step`` through the DDP wrapper, whose forward
+    broadcasts the module's buffers from rank 0 (``broadcast_buffers=True``, DDP's default) when
+    its ``require_forward_param_sync`` flag is set: on the first forward after a training step,
+    and on the very first one (the sanity check). That is a collective inside the forward of the
+    ranks that have a validation batch; a rank whose share of the validation shards is empty
+    never joins it and the others wait forever (the demo's one validation shard on 2 ranks hung
+    this way). Each forward also rewrites the flag, so ranks that ran different numbers of
+    validation forwards would enter the next training step disagreeing on whether to broadcast:
+    the same hang, one step later. So validation runs with the broadcast off (evaluation changes
+    no buffer) and the flag is put back as it was, equal on every rank, for training.
+    """
+
+    def __init__(self) -> None:
+        self._saved: tuple[DistributedDataParallel, bool, bool] | None = None
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = trainer.strategy.model
+        if isinstance(model, DistributedDataParallel):
+            # Both attributes are read by DDP at every forward (torch ``_pre_forward``).
+            self._saved = (model, model.broadcast_buffers, model.require_forward_param_sync)
+            model.broadcast_buffers = False
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._saved is not None:
+            model, broadcast, sync = self._saved
+            model.broadcast_buffers, model.require_forward_param_sync = broadcast, sync
+            self._saved = None

@@ -21,9 +21,10 @@ from lightning.pytorch.cli import OptimizerCallable
 from open_clip.transformer import text_global_pool
 from open_clip_train.train import get_clip_metrics
 from torch import Tensor
+from torchmetrics import MeanMetric
 
 from mmssl.data.decode import trim_text_padding
-from mmssl.distributed import gather_with_grad, rank, world_size
+from mmssl.distributed import gather_with_grad, rank, seed_per_rank, world_size
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.flip import install_flip_masking
 from mmssl.models._logging import logging_step
@@ -205,6 +206,7 @@ class CLIP(pl.LightningModule):
         self.logit_scale_max = logit_scale_max
         self.unmasked_tune_steps = unmasked_tune_steps
         self._val_features: list[tuple[Tensor, Tensor]] = []
+        self.val_loss = MeanMetric()  # sum and count of the validation loss, reduced over ranks
 
     @staticmethod
     def _init_kwargs(loss: str, scale: Optional[float], bias: Optional[float]) -> dict[str, float]:
@@ -314,6 +316,9 @@ class CLIP(pl.LightningModule):
 
     # Training ----------------------------------------------------------------------------------
 
+    def on_fit_start(self) -> None:
+        seed_per_rank(self.global_rank, self.trainer.world_size)  # each rank draws its own FLIP masks and dropout
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # FLIP's unmasked tuning: whole images for the final ``unmasked_tune_steps`` steps.
         if self.unmasked_tune_steps:
@@ -348,19 +353,25 @@ class CLIP(pl.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._val_features = []
+        self.val_loss.reset()
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self(batch["image"], batch["text"])  # eval mode: unmasked
-        # Per-rank loss (the last batch may be partial), averaged over ranks by Lightning.
+        # The loss of each batch against its own negatives (the last batch may be partial),
+        # weighted by its size: equal to one process's figure when the batches are the same.
         image, text, scale = out["image_features"], out["text_features"], out["logit_scale"]
         if self.loss_name == "siglip":
             loss = siglip_loss(image, text, scale, out["logit_bias"])
         else:
             loss = clip_loss(image, text, scale)
-        self.log("val/loss", loss, sync_dist=True, batch_size=batch["image"].shape[0])
+        self.val_loss.update(loss.detach(), weight=image.shape[0])
         self._val_features.append((image.float(), text.float()))
 
     def on_validation_epoch_end(self) -> None:
+        # Sum and count reduced over ranks inside ``compute``, on every rank, including one whose
+        # share of the validation shards was empty (``sync_dist`` logging runs only on ranks that
+        # logged in a step, and hangs the others).
+        self.log("val/loss", self.val_loss.compute())
         # A rank without validation batches still joins the gather, with no rows.
         empty = [(self.model.logit_scale.new_zeros(0, self.embed_dim),) * 2]
         pairs, self._val_features = self._val_features or empty, []

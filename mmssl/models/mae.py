@@ -14,9 +14,11 @@ from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from timm.models.vision_transformer import Block
 from torch import nn
+from torchmetrics import MeanMetric
 
+from mmssl.distributed import seed_per_rank
 from mmssl.losses import mae_loss
-from mmssl.models.masking import Masking, patchify, unpatchify
+from mmssl.models.masking import Masking, patchify, sample_noise, unpatchify
 from mmssl.models.vit import (
     LayerNorm,
     MaskedViT,
@@ -212,6 +214,7 @@ class MAE(LightningModule):
         self.blr = blr
         self.warmup_steps = warmup_steps
         self.min_lr_ratio = min_lr_ratio
+        self.val_loss = MeanMetric()  # sum and count of the validation loss, reduced over ranks
         self.encoder = MaskedViT(image_size, patch_size, 3, embed_dim, depth, num_heads, mlp_ratio)
         self.decoder = MAEDecoder(
             self.encoder.num_patches, patch_size, embed_dim,
@@ -225,10 +228,14 @@ class MAE(LightningModule):
     # ---- named stages (MAE forward_encoder / forward_decoder / forward_loss) -------------------
 
     def forward_encoder(
-        self, images: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None
+        self,
+        images: torch.Tensor,
+        mask_ratio: float,
+        generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Masking]:
         """(B, 3, H, W) -> visible tokens (B, 1+L_keep, D) and the masking used."""
-        tokens, masking = self.encoder.forward_masked(images, mask_ratio, generator)
+        tokens, masking = self.encoder.forward_masked(images, mask_ratio, generator, noise)
         if masking is None:
             raise ValueError(f"forward_encoder needs mask_ratio in (0, 1), got {mask_ratio}")
         return tokens, masking
@@ -238,18 +245,22 @@ class MAE(LightningModule):
         return self.decoder(tokens, ids_restore)
 
     def forward(
-        self, images: torch.Tensor, generator: torch.Generator | None = None
+        self,
+        images: torch.Tensor,
+        generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Mask, encode, decode and score one batch.
 
         Args:
             images: (B, 3, H, W) normalised images.
             generator: optional RNG for the mask.
+            noise: optional (B, L) noise that ranks the patches (``masking.sample_noise``).
 
         Returns:
             ``(loss, pred, mask)``: scalar, (B, L, p*p*3), (B, L) with 1 = masked.
         """
-        tokens, masking = self.forward_encoder(images, self.mask_ratio, generator)
+        tokens, masking = self.forward_encoder(images, self.mask_ratio, generator, noise)
         pred = self.forward_decoder(tokens, masking.ids_restore)
         target = patchify(images, self.patch_size)  # (B, L, p*p*3)
         loss = mae_loss(target, pred, masking.mask, self.norm_pix_loss)
@@ -304,10 +315,7 @@ class MAE(LightningModule):
     # ---- training ------------------------------------------------------------------------------
 
     def on_fit_start(self) -> None:
-        # seed_everything gives every rank the same seed, so every rank would draw the same masks;
-        # offset by rank as MAE's main_pretrain.py does (seed = args.seed + misc.get_rank()).
-        if self.trainer.world_size > 1:
-            torch.manual_seed(torch.initial_seed() + self.global_rank)
+        seed_per_rank(self.global_rank, self.trainer.world_size)  # each rank draws its own masks (MAE main_pretrain.py)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _, _ = self(batch["image"])
@@ -316,12 +324,23 @@ class MAE(LightningModule):
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        self.val_loss.reset()
+
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        # Fixed masks per batch index so successive validations compare like with like.
-        generator = torch.Generator(device=self.device).manual_seed(batch_idx)
-        loss, _, _ = self(batch["image"], generator)
-        batch_size = batch["image"].shape[0]
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch_size)
+        # Each sample's mask is a function of its pixels: the same masks at every validation, and
+        # the same on 1 or N ranks whichever batch the sample lands in.
+        images = batch["image"]
+        loss, _, _ = self(images, noise=sample_noise(images, self.encoder.num_patches))
+        # Every sample masks the same number of patches, so the batch loss is the mean of the
+        # per-sample losses and weighting by the batch size gives the mean over the whole set.
+        self.val_loss.update(loss.detach(), weight=images.shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        # Sum and count are reduced over ranks inside ``compute`` on every rank, including a rank
+        # whose share of the validation shards was empty (Lightning's ``sync_dist`` logging runs
+        # only on ranks that logged, and hangs the others: tests/test_ddp_cli.py).
+        self.log("val/loss", self.val_loss.compute(), prog_bar=True)
 
     def _global_batch_size(self) -> int:
         """Per-device batch x devices x accumulation, as in MAE ``main_pretrain.py``."""

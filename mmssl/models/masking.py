@@ -41,7 +41,10 @@ def num_kept(num_patches: int, mask_ratio: float) -> int:
 
 
 def random_masking(
-    x: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None
+    x: torch.Tensor,
+    mask_ratio: float,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> Masking:
     """Draw an independent random subset of patches to keep for every sample.
 
@@ -53,6 +56,8 @@ def random_masking(
         x: (B, L, D) patch tokens; only its shape and device are used.
         mask_ratio: fraction of patches removed, in [0, 1).
         generator: optional RNG for reproducible masks (tests, visualisation).
+        noise: (B, L) uniform noise to rank the patches by instead of drawing it (e.g.
+            :func:`sample_noise`, which makes each sample's mask independent of its batch).
 
     Returns:
         :class:`Masking` with ``ids_keep`` (B, L_keep), ``ids_restore`` (B, L), ``mask`` (B, L).
@@ -61,7 +66,8 @@ def random_masking(
         raise ValueError(f"mask_ratio must be in [0, 1), got {mask_ratio}")
     batch, length = x.shape[0], x.shape[1]
     len_keep = num_kept(length, mask_ratio)
-    noise = torch.rand(batch, length, device=x.device, generator=generator)  # (B, L)
+    if noise is None:
+        noise = torch.rand(batch, length, device=x.device, generator=generator)  # (B, L)
     ids_shuffle = torch.argsort(noise, dim=1)  # ascending: small noise is kept
     ids_restore = torch.argsort(ids_shuffle, dim=1)
     ids_keep = ids_shuffle[:, :len_keep]  # (B, L_keep)
@@ -69,6 +75,30 @@ def random_masking(
     mask[:, :len_keep] = 0
     mask = torch.gather(mask, dim=1, index=ids_restore)  # unshuffle: (B, L) in patch order
     return Masking(ids_keep, ids_restore, mask)
+
+
+def sample_noise(images: torch.Tensor, length: int, seed: int = 0) -> torch.Tensor:
+    """(B, L) uniform noise that depends only on each image's pixels and ``seed``.
+
+    Validation masks drawn from it are the same for a sample whichever batch, worker or rank it
+    lands in, so N processes score the same masked patches as one process on the same data
+    (masks seeded by batch index change with the split). Each image is hashed exactly (quantised
+    pixels times fixed integer weights, summed in int64, so no float reduction order enters),
+    and the hash seeds that sample's own generator.
+
+    Args:
+        images: (B, C, H, W) images as the model sees them.
+        length: patches per image.
+        seed: changes every mask at once.
+
+    Returns:
+        (B, L) float noise on ``images.device``.
+    """
+    pixels = torch.round(images.detach().float().flatten(1) * 64).to(torch.int64)  # (B, C*H*W)
+    weights = torch.randint(1, 2**31 - 1, (pixels.shape[1],), generator=torch.Generator().manual_seed(seed))
+    keys = (pixels * weights.to(pixels.device)).sum(dim=1).tolist()  # (B,) one host sync per batch
+    rows = [torch.rand(length, generator=torch.Generator().manual_seed((k + seed) & (2**63 - 1))) for k in keys]
+    return torch.stack(rows).to(images.device)  # (B, L)
 
 
 def gather_tokens(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

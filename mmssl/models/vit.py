@@ -163,7 +163,11 @@ class MaskedViT(nn.Module):
         return torch.cat([cls, x], dim=1)
 
     def forward_masked(
-        self, images: torch.Tensor, mask_ratio: float, generator: torch.Generator | None = None
+        self,
+        images: torch.Tensor,
+        mask_ratio: float,
+        generator: torch.Generator | None = None,
+        noise: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Masking | None]:
         """MAE ``forward_encoder``: embed, drop ``mask_ratio`` of the patches, run the blocks.
 
@@ -172,6 +176,7 @@ class MaskedViT(nn.Module):
             mask_ratio: fraction of patches removed per sample, in [0, 1); 0 keeps all patches
                 in their original order and returns no masking.
             generator: optional RNG for the mask.
+            noise: optional (B, L) noise that ranks the patches (see ``random_masking``).
 
         Returns:
             ``(tokens, masking)``: tokens (B, 1+L_keep, D) after the final norm (cls first);
@@ -180,7 +185,7 @@ class MaskedViT(nn.Module):
         x = self.embed_patches(images)  # (B, L, D)
         masking = None
         if mask_ratio > 0:
-            masking = random_masking(x, mask_ratio, generator)
+            masking = random_masking(x, mask_ratio, generator, noise)
             x = gather_tokens(x, masking.ids_keep)  # (B, L_keep, D): only these are computed
         elif mask_ratio < 0:
             raise ValueError(f"mask_ratio must be in [0, 1), got {mask_ratio}")
