@@ -7,8 +7,10 @@ import runpy
 import sys
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
+from mmssl.data.pipeline import worker_batches
 from mmssl.data.shards import inspect_shards
 from mmssl.data.webdataset import ImageTextDataModule
 
@@ -41,9 +43,9 @@ def test_make_shards_from_class_folders_then_train_on_them(tmp_path, capsys):
                 "--shard-size", "4", "--resize", "20", "--template", "a photo of a {c}.") == 0
     assert json.loads((out / "sizes.json").read_text()) == {"00000.tar": 4, "00001.tar": 2}
     assert (out / "classnames.txt").read_text().split("\n")[:2] == ["blue boat", "red car"]
-    good, problems, shown = inspect_shards(str(out))
-    assert (good, problems) == (6, [])
-    assert shown[0]["txt"] == "a photo of a blue boat." and shown[0]["cls"] == "0"
+    good, problems, shown, warnings = inspect_shards(str(out))
+    assert (good, problems, warnings) == (6, [], [])
+    assert shown[0]["txt"] == {"0": "a photo of a blue boat.", "1": "a photo of a red car."}[shown[0]["cls"]]
     module = ImageTextDataModule(train_data=str(out), batch_size=2, num_workers=0, image_size=8)
     labels = [int(x) for b in module.train_dataloader() for x in b["label"]]
     assert sorted(labels) == [0, 0, 0, 1, 1, 1]
@@ -59,3 +61,38 @@ def test_make_shards_from_table_and_inspect_reports_bad(tmp_path, capsys):
     assert _run("inspect_shards.py", str(tmp_path / "s")) == 1
     out = capsys.readouterr().out
     assert "2 good samples, 1 problems" in out and "BAD" in out and "00001.tar" in out
+
+
+def _class_folder(folder: Path, classes: int = 10, per_class: int = 20) -> None:
+    for c in range(classes):
+        (folder / f"class_{c:02d}").mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (8, 8), (c * 20, i * 10, 0)).save(folder / f"class_{c:02d}" / f"{i}.png")
+
+
+def _distinct_labels_per_batch(shards: Path) -> float:
+    """Mean distinct labels in the batches of 2 simulated ranks x 2 workers (batch 8, buffer 8)."""
+    module = ImageTextDataModule(train_data=str(shards), batch_size=8, num_workers=2, image_size=8, shuffle_buffer=8)
+    counts = []
+    for rank in range(2):
+        stream = module.build_stream(str(shards), True, rank, 2)
+        for worker in range(2):
+            counts += [len(set(b["label"].tolist())) for b in worker_batches(stream.spec, stream.decoder, 0, worker)]
+    return float(np.mean(counts))
+
+
+def test_shards_of_a_class_ordered_folder_mix_classes_in_every_batch(tmp_path, capsys):
+    _class_folder(tmp_path / "imgs")
+    for name, extra in (("mixed", []), ("ordered", ["--no-shuffle"])):
+        assert _run("make_shards.py", "--folder", str(tmp_path / "imgs"), "--output", str(tmp_path / name),
+                    "--shard-size", "20", *extra) == 0
+    labels = np.repeat(np.arange(10), 20)
+    rng = np.random.default_rng(0)  # a fully shuffled stream of the same labels, cut into batches of 8
+    shuffled = np.mean([len(set(rng.permutation(labels)[i:i + 8])) for _ in range(50) for i in range(0, 200, 8)])
+    assert _distinct_labels_per_batch(tmp_path / "mixed") > 0.85 * shuffled
+    assert _distinct_labels_per_batch(tmp_path / "ordered") < 0.6 * shuffled  # what the shuffle fixes
+    # inspect_shards names the class-ordered shards and is silent on the mixed ones.
+    assert inspect_shards(str(tmp_path / "mixed"))[3] == []
+    assert _run("inspect_shards.py", str(tmp_path / "ordered")) == 0
+    out = capsys.readouterr().out
+    assert out.count("WARNING") == 20 and "00003.tar: 20 of 20 samples have the label 3" in out
