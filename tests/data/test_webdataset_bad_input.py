@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from shard_helpers import count_tokenizer, image_bytes, sample_members, write_dataset, write_tar
 
 from mmssl.data.pipeline import worker_batches
@@ -85,3 +86,17 @@ def test_missing_shards_are_named(tmp_path):
     write_dataset(tmp_path, [2])
     with pytest.raises(FileNotFoundError, match="00001.tar"):
         _module(train_data=f"{tmp_path}/{{00000..00001}}.tar").train_dataloader()
+
+
+def test_a_sample_without_the_label_its_batch_has_is_skipped_not_the_label(tmp_path, caplog):
+    members = sample_members(0) + [m for m in sample_members(1) if not m[0].endswith(".cls")] + sample_members(2)
+    write_tar(tmp_path / "00000.tar", members)
+    module = _module(val_data=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="mmssl.data"):
+        batches = list(module.val_dataloader())
+    assert [b["label"].tolist() for b in batches] == [[0, 2]]  # the label stays; sample 1 is skipped...
+    assert sum(int(b["__skipped__"]) for b in batches) == 1  # ...and counted
+    assert any("'s00001'" in r.getMessage() and "label" in r.getMessage() for r in caplog.records)
+    decoder = module._decoder(train=False)
+    with pytest.raises(ValueError, match="mixes samples with keys"):
+        decoder.collate([{"image": torch.zeros(3, 8, 8), "label": 1}, {"image": torch.zeros(3, 8, 8)}])
