@@ -8,7 +8,8 @@ decode (bad samples skipped and counted; augmentation drawn per sample) -> batch
 - **exact epochs** (default): :mod:`mmssl.data.plan` deals the epoch's samples to slots from
   (seed, epoch) at sample granularity, using ``sizes.json``: every rank gets the same number of
   batches, each sample is read at most once, fewer than ``world x batch`` are left out. A slot's
-  range may start inside a shard: the samples before it are read from the tar, not decoded.
+  range may start inside a shard: a local tar is entered there by seeking (headers scanned), other
+  URLs are read from the start with the samples before the range dropped undecoded.
   Only when bad samples leave a worker short does it fill its last batches from a second pass over
   its own samples (warned).
 - **resampled** (open_clip's ``--dataset-resampled``): each worker draws shards with replacement
@@ -29,16 +30,19 @@ import logging
 import math
 import os
 import random
+import re
+import tarfile
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
+from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
 from mmssl.data.decode import BadSample, SampleDecoder
 from mmssl.data.plan import EpochPlan, Generation, Piece, ReservoirDraws, Topology, epoch_base, slot_seed, split_base
-from mmssl.data.sources import Source, shard_sizes
+from mmssl.data.sources import Source, is_local, shard_sizes
 
 log = logging.getLogger("mmssl.data")
 
@@ -48,6 +52,8 @@ META_KEYS = ("__worker__", "__raw__", "__skipped__")
 MIN_SEEN_FOR_FRACTION = 64
 # Resampled mode gives up after this many shard draws in a row that yield no sample.
 MAX_EMPTY_DRAWS = 50
+# Tar members webdataset skips (its ``tar_file_iterator`` default), skipped when counting samples too.
+WDS_SKIP_META = r"__[^/]*__($|/)"
 
 
 @dataclass(frozen=True)
@@ -223,14 +229,60 @@ def _read(urls: Iterator[str], health: _Health, give_up_after: Optional[int]) ->
                                f"{health.errors[-3:]}")
 
 
+def _sample_start(path: str, first: int) -> Optional[tuple[int, str]]:
+    """Byte offset and key of the ``first``-th sample of a local tar, reading member headers only.
+
+    Samples are counted as webdataset groups them (regular files, metadata skipped, consecutive
+    members sharing ``base_plus_ext``'s key); ``None`` when the tar cannot be scanned this way.
+    """
+    try:
+        with tarfile.open(path, "r:") as tar:  # random access: the scan seeks over member data
+            key, count = None, -1
+            for member in tar:
+                name = member.name
+                if not member.isreg() or re.match(WDS_SKIP_META, name):
+                    continue
+                prefix, _ = base_plus_ext(name)
+                if prefix is not None and prefix != key:
+                    key, count = prefix, count + 1
+                    if count == first:
+                        return member.offset, prefix
+    except (tarfile.TarError, OSError):
+        pass
+    return None
+
+
+def _shard_samples(url: str, first: int, health: _Health) -> Iterator[tuple[int, dict]]:
+    """``(offset, raw sample)`` of a shard from sample ``first`` on.
+
+    A local ``.tar`` is entered at that sample's header (``seek``), so the samples before a slot's
+    range cost a header scan, not a read; other URLs are read from the start and the samples before
+    ``first`` dropped undecoded.
+    """
+    start = _sample_start(url, first) if first > 0 and is_local(url) and url.endswith(".tar") else None
+    if start is not None:
+        handler = functools.partial(health.tar_failed, url)
+        with open(url, "rb") as stream:
+            stream.seek(start[0])
+            samples = group_by_keys(tar_file_expander([{"url": url, "stream": stream}], handler=handler), handler=handler)
+            head = next(samples, None)
+            if head is not None and head["__key__"] == start[1]:
+                yield first, head
+                yield from enumerate(samples, start=first + 1)
+                return
+    for offset, sample in enumerate(_tar(url, health)):
+        if offset >= first:
+            yield offset, sample
+
+
 def _read_pieces(urls: Sequence[str], pieces: Sequence[Piece], health: _Health) -> Iterator[dict]:
-    """Raw samples of each piece in turn: members before a piece's range are read, not decoded."""
+    """Raw samples of each piece in turn; samples outside it are not decoded (see :func:`_shard_samples`)."""
     for piece in pieces:
         wanted = set(piece.offsets) if piece.offsets else None
-        for offset, sample in enumerate(_tar(urls[piece.shard], health)):
+        for offset, sample in _shard_samples(urls[piece.shard], piece.lo, health):
             if offset >= piece.hi:
                 break
-            if offset >= piece.lo and (wanted is None or offset in wanted):
+            if wanted is None or offset in wanted:
                 health.raw += 1
                 yield sample
 

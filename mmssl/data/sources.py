@@ -48,12 +48,13 @@ def is_local(url: str) -> bool:
     return not url.startswith("pipe:") and "://" not in url and not url.startswith("file:")
 
 
-def expand_urls(pattern: Union[str, Sequence[str]]) -> list[str]:
+def expand_urls(pattern: Union[str, Sequence[str]], must_exist: bool = True) -> list[str]:
     """Expand a shard spec into URLs.
 
     Args:
         pattern: brace pattern (``data/{00000..00099}.tar``), several joined with ``::``, a
             folder (every ``*.tar`` inside, sorted), a URL or ``pipe:`` command, or a list of these.
+        must_exist: check that local shards exist (planning from ``sizes.json`` alone does not).
 
     Returns:
         The list of shard URLs, in the order given.
@@ -78,7 +79,7 @@ def expand_urls(pattern: Union[str, Sequence[str]]) -> list[str]:
                 urls += found
             else:
                 urls += list(braceexpand.braceexpand(part))
-    missing = [u for u in urls if is_local(u) and not os.path.exists(u)]
+    missing = [u for u in urls if must_exist and is_local(u) and not os.path.exists(u)]
     if missing:
         raise FileNotFoundError(
             f"{len(missing)} of {len(urls)} shards of {pattern!r} do not exist, e.g. {missing[:3]}"

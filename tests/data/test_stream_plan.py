@@ -91,3 +91,36 @@ def test_every_sample_once_per_epoch_and_shards_change_slot(tmp_path):
         readers.append({p.shard: slot for slot, pieces in enumerate(plan.slots) for p in pieces})
     for before, after in zip(readers, readers[1:]):
         assert sum(before[s] != after.get(s) for s in before) >= len(before) // 2
+
+
+def test_a_range_inside_a_local_shard_is_entered_by_seeking_to_the_same_samples(tmp_path):
+    import io
+    import tarfile
+
+    from mmssl.data.pipeline import _Health, _sample_start, _shard_samples, _tar
+
+    members = [("__meta__", b"x"), ("dir/", None)]
+    members += [(f"{'long_' * 30 if i == 4 else ''}s{i:03d}.{ext}", f"{i}{ext}".encode()) for i in range(8)
+                for ext in ("jpg", "txt")]
+    for fmt, name in ((tarfile.GNU_FORMAT, "gnu.tar"), (tarfile.PAX_FORMAT, "pax.tar"), (tarfile.USTAR_FORMAT, "ustar.tar")):
+        path = tmp_path / name
+        with tarfile.open(path, "w", format=fmt) as tar:
+            for member, data in members:
+                if fmt == tarfile.USTAR_FORMAT and len(member) > 100:
+                    member = member[-20:]
+                info = tarfile.TarInfo(member)
+                if data is None:
+                    info.type = tarfile.DIRTYPE
+                    tar.addfile(info)
+                else:
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        every = list(enumerate(_tar(str(path), _Health(1.0))))
+        assert len(every) == 8
+        for first in (1, 4, 7):
+            assert _sample_start(str(path), first)[0] > 0  # entered by seeking, not read from the start
+            got = list(_shard_samples(str(path), first, _Health(1.0)))
+            assert [(o, s["__key__"], s["jpg"]) for o, s in got] == [(o, s["__key__"], s["jpg"]) for o, s in every[first:]]
+        # A pipe: URL cannot seek: read from the start, the same samples come out.
+        piped = list(_shard_samples(f"pipe:cat {path}", 5, _Health(1.0)))
+        assert [o for o, _ in piped] == [5, 6, 7]

@@ -1,0 +1,57 @@
+"""Plan exact-epoch training for a cluster from ``sizes.json`` alone (no image is read).
+
+    python tools/plan_stream.py --data 'shards/{00000..01281}.tar' --nodes 8 --devices 8 \\
+        --workers 10 --batch-size 256 --epochs 2 --seed 0
+
+Prints batches per rank, samples read and left out per epoch, samples read twice (duplicates),
+tar reads that are skipped undecoded because a slot's range starts inside a shard, and how
+shards move between slots and ranks from one epoch to the next (see ``mmssl.data.plan``).
+"""
+
+import argparse
+import sys
+
+from mmssl.data.plan import Topology, describe
+from mmssl.data.sources import expand_urls, shard_sizes
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="shard pattern or folder; sizes.json beside the shards")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes")
+    parser.add_argument("--devices", type=int, default=1, help="devices (ranks) per node")
+    parser.add_argument("--workers", type=int, default=1, help="data.num_workers (0 counts as 1)")
+    parser.add_argument("--batch-size", type=int, required=True, help="data.batch_size (per device)")
+    parser.add_argument("--shuffle-buffer", type=int, default=1000, help="data.shuffle_buffer")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs to plan")
+    parser.add_argument("--seed", type=int, default=0, help="data.seed")
+    args = parser.parse_args(argv)
+    urls = expand_urls(args.data, must_exist=False)
+    sizes = shard_sizes(urls, scan=False)
+    if sizes is None:
+        print(f"no sizes.json lists every shard of {args.data!r}: exact epochs need one "
+              "(tools/make_shards.py writes it)", file=sys.stderr)
+        return 1
+    world, workers = args.nodes * args.devices, max(1, args.workers)
+    topology = Topology(world, workers, args.batch_size, args.shuffle_buffer)
+    s = describe(sizes, topology, args.seed, max(1, args.epochs))
+    if s.rank_batches == 0:
+        print(f"{s.samples} samples cannot fill one global batch of {world} x {args.batch_size}", file=sys.stderr)
+        return 1
+    print(f"data:              {s.shards:,} shards, {s.samples:,} samples (sizes.json)")
+    print(f"topology:          {args.nodes} nodes x {args.devices} devices = {world} ranks, x {workers} workers = "
+          f"{world * workers:,} slots; batch {args.batch_size} per rank")
+    print(f"batches per rank:  {s.rank_batches:,} per epoch ({s.worker_batches[0]:,}-{s.worker_batches[1]:,} per worker)")
+    print(f"samples per epoch: {s.read:,} read, {s.left_out:,} left out "
+          f"(< {world} x {args.batch_size} = {world * args.batch_size:,}; other samples each epoch)")
+    print(f"duplicates:        {', '.join(f'{d:,}' for d in s.duplicates)} (epoch {', '.join(map(str, range(len(s.duplicates))))})")
+    print(f"skipped reads:     " + ", ".join(f"{r:,} ({r / s.read:.1%})" for r in s.skipped_reads)
+          + " samples read from a tar but not decoded (slot ranges starting inside a shard)")
+    for epoch, (slot, rank) in enumerate(zip(s.slot_changed, s.rank_changed)):
+        print(f"mixing {epoch} -> {epoch + 1}:      {slot:.1%} of shards read by other slots, {rank:.1%} by other ranks")
+    print(f"planning time:     {s.seconds:.3f} s per epoch")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
