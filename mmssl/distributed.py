@@ -45,23 +45,27 @@ def seed_per_rank(global_rank: int, num_ranks: int) -> None:
         torch.manual_seed(torch.initial_seed() + global_rank)
 
 
-def gather_with_grad(x: Tensor) -> Tensor:
+def gather_with_grad(x: Tensor, same_size: bool = False) -> Tensor:
     """Concatenate ``x`` from every rank in rank order, with gradients flowing back to each owner.
 
     open_clip ``loss.gather_features(gather_with_grad=True)``: ``torch.distributed.nn``'s
     all-gather is differentiable, and its backward sums the incoming gradients of each slice over
     ranks and returns them to the rank that produced it, so rank r's features get the gradient of
-    every rank's loss terms that use them. Leading sizes may differ between ranks (the last
-    validation batch): sizes are exchanged first, shorter tensors padded, the padding cut away.
+    every rank's loss terms that use them. Leading sizes may differ between ranks (validation
+    shares): sizes are exchanged first, shorter tensors padded, the padding cut away.
 
     Args:
         x: (B_r, ...) this rank's rows; B_r may differ per rank, the other dims may not.
+        same_size: every rank passes the same B (training batches, equal by construction): skip
+            the exchange of sizes, a collective plus a host sync that would cost every step.
 
     Returns:
         (sum_r B_r, ...) rows of rank 0, then rank 1, ...; ``x`` itself when not distributed.
     """
     if not is_distributed():
         return x
+    if same_size:
+        return torch.cat(dist_fn.all_gather(x), dim=0)  # world x (B, ...) -> (world * B, ...)
     world = dist.get_world_size()
     size = torch.tensor([x.shape[0]], device=x.device, dtype=torch.long)
     sizes = [torch.zeros_like(size) for _ in range(world)]

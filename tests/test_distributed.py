@@ -20,7 +20,8 @@ from open_clip.loss import ClipLoss, SigLipLoss
 from torch.nn.parallel import DistributedDataParallel
 
 from mmssl.distributed import gather_with_grad, rank, world_size
-from mmssl.models.clip import CLIP, retrieval_metrics
+from mmssl.evaluation.retrieval import distributed_retrieval_hits, retrieval_metrics
+from mmssl.models.clip import CLIP
 
 WORLD = 2
 BATCH = 8  # global; 4 per rank
@@ -78,10 +79,15 @@ def _worker(local_rank: int, init_file: str, json_path: str, out_file: str) -> N
             "open_clip": theirs.item(),
             "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
         }
-    # Retrieval on uneven shares (7 + 4 rows): gathered in rank order, scored on every rank.
+    # Retrieval on uneven shares (7 + 4 rows): each rank scores its own queries against every
+    # candidate, and the hits summed over ranks give the recall.
     image, text = _uneven_features()
     mine = slice(0, 7) if local_rank == 0 else slice(7, 11)
-    results["retrieval"] = retrieval_metrics(gather_with_grad(image[mine]), gather_with_grad(text[mine]))
+    hits = distributed_retrieval_hits(image[mine], text[mine])
+    sums = torch.stack([h.sum() for h in hits.values()] + [torch.tensor(float(len(image[mine])))])
+    dist.all_reduce(sums)
+    results["retrieval"] = {key: float(sums[i] / sums[-1]) for i, key in enumerate(hits)}
+    results["retrieval_rows"] = len(next(iter(hits.values())))
     torch.save(results, f"{out_file}.{local_rank}")
     dist.destroy_process_group()
 
@@ -123,6 +129,7 @@ def test_retrieval_is_the_same_on_two_ranks_with_uneven_shares(two_process_resul
     expected = retrieval_metrics(image, text)
     for result in two_process_results:
         assert result["retrieval"] == pytest.approx(expected)
+    assert [r["retrieval_rows"] for r in two_process_results] == [7, 4]  # each scored its own only
     assert 0 < expected["i2t_R@1"] <= expected["i2t_R@5"] <= expected["i2t_R@10"] == 1.0
 
 

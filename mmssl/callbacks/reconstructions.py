@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torchvision.utils import make_grid, save_image
 
+from mmssl.evaluation.online import run_folder
+
 
 class Reconstructions(Callback):
     """Every ``every_n_steps`` optimizer steps, show original / masked / reconstructed images.
@@ -84,20 +86,19 @@ class Reconstructions(Callback):
 
     @torch.no_grad()
     def log_grid(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Write the grid to each logger with ``add_image``, and as PNG under ``trainer.log_dir``."""
+        """Write the grid to each logger with ``add_image``, and as PNG in the run folder (rank 0)."""
         if self._images is None or not hasattr(pl_module, "reconstruct"):
             return
         self._last_step = trainer.global_step
+        # Every rank runs the forward (under FSDP it all-gathers parameters, a collective);
+        # only rank 0 writes.
+        grid = self.grid(pl_module)
         if not trainer.is_global_zero:
             return
-        grid = self.grid(pl_module)
         for logger in trainer.loggers:
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_image"):  # TensorBoard
                 experiment.add_image("reconstructions", grid, global_step=trainer.global_step)
-        # The first logger's folder, not trainer.log_dir: that is a broadcast, which would hang
-        # DDP when called on rank 0 alone.
-        run_dir = trainer.loggers[0].log_dir if trainer.loggers else None
-        folder = os.path.join(run_dir or trainer.default_root_dir, "reconstructions")
+        folder = os.path.join(run_folder(trainer), "reconstructions")  # local: no broadcast
         os.makedirs(folder, exist_ok=True)
         save_image(grid, os.path.join(folder, f"step_{trainer.global_step:06d}.png"))

@@ -6,6 +6,8 @@ import math
 
 import lightning.pytorch as pl
 
+from mmssl.evaluation.online import run_folder
+
 
 def run_info(trainer: pl.Trainer) -> dict[str, float | int]:
     """The figures a user checks first at scale: world, batch, steps and learning rates.
@@ -52,9 +54,9 @@ class RunSummary(pl.Callback):
                                            for k, v in info.items()), flush=True)
 
     def _report(self, trainer: pl.Trainer, what: str) -> None:
-        log_dir = trainer.log_dir  # a broadcast under DDP: every rank must take part
         if not trainer.is_global_zero:
             return
+        log_dir = run_folder(trainer)  # local; trainer.log_dir would be a broadcast
         lines = [f"\nmmssl {what} finished after {trainer.global_step} steps."]
         if log_dir:
             lines.append(f"  run folder:  {log_dir}")

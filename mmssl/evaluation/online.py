@@ -126,5 +126,10 @@ def probe_features(trainer: pl.Trainer, pl_module: pl.LightningModule, spec: Pro
 
 
 def run_folder(trainer: pl.Trainer) -> str:
-    """Where PNGs go: the run folder (the loggers' ``log_dir``), else ``default_root_dir``."""
-    return trainer.log_dir or trainer.default_root_dir or os.getcwd()
+    """Where PNGs go: the first logger's folder (the run folder), else ``default_root_dir``.
+
+    Purely local, so rank 0 may call it alone: ``trainer.log_dir`` broadcasts the folder from
+    rank 0 under DDP, a collective that hangs when the other ranks do not call it too.
+    """
+    logger_dir = trainer.loggers[0].log_dir if trainer.loggers else None
+    return logger_dir or trainer.default_root_dir or os.getcwd()

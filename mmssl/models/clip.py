@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
 from open_clip.transformer import text_global_pool
-from open_clip_train.train import get_clip_metrics
 from torch import Tensor
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, MetricCollection
 
 from mmssl.data.decode import trim_text_padding
-from mmssl.distributed import gather_with_grad, rank, seed_per_rank, world_size
+from mmssl.distributed import gather_with_grad, rank, seed_per_rank
+from mmssl.evaluation.retrieval import RECALL_AT, distributed_retrieval_hits
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.flip import install_flip_masking
 from mmssl.models._logging import logging_step
@@ -65,28 +65,6 @@ def resolve_model_name(model_name: str) -> str:
             "(see open_clip.list_models()) nor a path to a .json model config"
         )
     return model_name
-
-
-def retrieval_metrics(image_features: Tensor, text_features: Tensor) -> dict[str, float]:
-    """Image->text and text->image recall@1/5/10 of held-out pairs, pair i matching pair i.
-
-    open_clip_train's ``get_clip_metrics`` (the numbers open_clip logs as ``image_to_text_R@1``)
-    on features gathered from every rank, so the figure is the same on 1 or N ranks.
-
-    Args:
-        image_features: (N, D) L2-normalised image embeddings of the whole held-out set.
-        text_features: (N, D) L2-normalised text embeddings, row i paired with image i.
-
-    Returns:
-        ``{"i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", ...}`` in [0, 1].
-    """
-    metrics = get_clip_metrics(image_features.float(), text_features.float(), 1.0)
-    names = {"image_to_text": "i2t", "text_to_image": "t2i"}
-    return {
-        f"{short}_R@{k}": float(metrics[f"{long}_R@{k}"])
-        for long, short in names.items()
-        for k in (1, 5, 10)
-    }
 
 
 def text_padding_is_inert(model: torch.nn.Module) -> bool:
@@ -207,6 +185,9 @@ class CLIP(pl.LightningModule):
         self.unmasked_tune_steps = unmasked_tune_steps
         self._val_features: list[tuple[Tensor, Tensor]] = []
         self.val_loss = MeanMetric()  # sum and count of the validation loss, reduced over ranks
+        # Held-out retrieval recall as hits and queries summed over ranks (val/i2t_R@1, ...).
+        self.val_retrieval = MetricCollection(
+            {f"{d}_R@{k}": MeanMetric() for d in ("i2t", "t2i") for k in RECALL_AT}, prefix="val/")
 
     @staticmethod
     def _init_kwargs(loss: str, scale: Optional[float], bias: Optional[float]) -> dict[str, float]:
@@ -303,15 +284,13 @@ class CLIP(pl.LightningModule):
             Scalar loss.
         """
         image, text = out["image_features"], out["text_features"]
-        offset = rank() * image.shape[0]  # training batches are equal on every rank
-        all_text = gather_with_grad(text)  # (N, D)
-        if all_text.shape[0] != world_size() * text.shape[0]:
-            raise RuntimeError(
-                "the contrastive loss needs the same batch size on every rank (drop partial batches)"
-            )
+        # Training batches are full and equal on every rank (the data module's exact epochs and
+        # resampled streams both cut whole batches), so the gathers skip the size exchange.
+        offset = rank() * image.shape[0]
+        all_text = gather_with_grad(text, same_size=True)  # (N, D)
         if self.loss_name == "siglip":
             return siglip_loss(image, text, out["logit_scale"], out["logit_bias"], all_text, offset)
-        all_image = gather_with_grad(image)  # (N, D)
+        all_image = gather_with_grad(image, same_size=True)  # (N, D)
         return clip_loss(image, text, out["logit_scale"], all_image, all_text, offset)
 
     # Training ----------------------------------------------------------------------------------
@@ -353,7 +332,6 @@ class CLIP(pl.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._val_features = []
-        self.val_loss.reset()
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self(batch["image"], batch["text"])  # eval mode: unmasked
@@ -368,18 +346,15 @@ class CLIP(pl.LightningModule):
         self._val_features.append((image.float(), text.float()))
 
     def on_validation_epoch_end(self) -> None:
-        # Sum and count reduced over ranks inside ``compute``, on every rank, including one whose
-        # share of the validation shards was empty (``sync_dist`` logging runs only on ranks that
-        # logged in a step, and hangs the others).
-        self.log("val/loss", self.val_loss.compute())
-        # A rank without validation batches still joins the gather, with no rows.
+        # Sum-and-count metrics, reduced over ranks inside ``compute`` on every rank, including a
+        # rank whose share of the validation shards was empty (``sync_dist`` logging runs only on
+        # ranks that logged in a step, and hangs the others). Logged as metric objects, so
+        # Lightning computes and resets them at the end of the epoch on every rank.
+        self.log("val/loss", self.val_loss)
         empty = [(self.model.logit_scale.new_zeros(0, self.embed_dim),) * 2]
         pairs, self._val_features = self._val_features or empty, []
         image = F.normalize(torch.cat([p[0] for p in pairs]), dim=-1)  # (n_r, D)
         text = F.normalize(torch.cat([p[1] for p in pairs]), dim=-1)
-        # Every rank gathers every pair, so each computes (and logs) the same recall.
-        image, text = gather_with_grad(image), gather_with_grad(text)  # (N, D)
-        if image.shape[0] == 0:
-            return
-        for key, value in retrieval_metrics(image, text).items():
-            self.log(f"val/{key}", value)
+        for key, hits in distributed_retrieval_hits(image, text).items():
+            self.val_retrieval[key].update(hits)
+        self.log_dict(self.val_retrieval)

@@ -324,9 +324,6 @@ class MAE(LightningModule):
             self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
-    def on_validation_epoch_start(self) -> None:
-        self.val_loss.reset()
-
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         # Each sample's mask is a function of its pixels: the same masks at every validation, and
         # the same on 1 or N ranks whichever batch the sample lands in.
@@ -339,8 +336,9 @@ class MAE(LightningModule):
     def on_validation_epoch_end(self) -> None:
         # Sum and count are reduced over ranks inside ``compute`` on every rank, including a rank
         # whose share of the validation shards was empty (Lightning's ``sync_dist`` logging runs
-        # only on ranks that logged, and hangs the others: tests/test_ddp_cli.py).
-        self.log("val/loss", self.val_loss.compute(), prog_bar=True)
+        # only on ranks that logged in a step, and hangs the others). Logged as the metric
+        # object, so Lightning computes and resets it at the end of the epoch on every rank.
+        self.log("val/loss", self.val_loss, prog_bar=True)
 
     def _global_batch_size(self) -> int:
         """Per-device batch x devices x accumulation, as in MAE ``main_pretrain.py``."""

@@ -11,7 +11,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from mmssl.models.clip import CLIP, retrieval_metrics
+from mmssl.evaluation.retrieval import retrieval_metrics
+from mmssl.models.clip import CLIP
 from mmssl.optim import param_groups
 
 REPO = Path(__file__).resolve().parents[2]
