@@ -4,8 +4,9 @@
         --workers 10 --batch-size 256 --epochs 2 --seed 0
 
 Prints batches per rank, samples read and left out per epoch, samples read twice (duplicates),
-tar reads that are skipped undecoded because a slot's range starts inside a shard, and how
-shards move between slots and ranks from one epoch to the next (see ``mmssl.data.plan``).
+the samples before slot ranges that start inside a shard (a local tar is entered there by seeking;
+URLs and ``pipe:`` read and drop them), and how shards move between slots and ranks from one epoch
+to the next (see ``mmssl.data.plan``).
 """
 
 import argparse
@@ -45,8 +46,8 @@ def main(argv=None) -> int:
     print(f"samples per epoch: {s.read:,} read, {s.left_out:,} left out "
           f"(< {world} x {args.batch_size} = {world * args.batch_size:,}; other samples each epoch)")
     print(f"duplicates:        {', '.join(f'{d:,}' for d in s.duplicates)} (epoch {', '.join(map(str, range(len(s.duplicates))))})")
-    print(f"skipped reads:     " + ", ".join(f"{r:,} ({r / s.read:.1%})" for r in s.skipped_reads)
-          + " samples read from a tar but not decoded (slot ranges starting inside a shard)")
+    print("ranges mid-shard:  " + ", ".join(f"{r:,} ({r / s.read:.1%})" for r in s.skipped_reads)
+          + " samples precede slot ranges inside shards (local tars: seeked over; URLs: read, not decoded)")
     for epoch, (slot, rank) in enumerate(zip(s.slot_changed, s.rank_changed)):
         print(f"mixing {epoch} -> {epoch + 1}:      {slot:.1%} of shards read by other slots, {rank:.1%} by other ranks")
     print(f"planning time:     {s.seconds:.3f} s per epoch")
