@@ -106,7 +106,7 @@ def test_trainer_configs_stack_onto_a_recipe(name, capsys):
 
 @pytest.mark.parametrize("data_args, message", [
     (["--data.init_args.train_data=/nonexistent/shards/"], "data.train_data='/nonexistent/shards/'"),
-    (["--data.init_args.num_workers=5"], "only 4 shards"),  # 1 rank x 5 workers > 4 shards
+    (["--data.init_args.batch_size=65"], "64 samples cannot fill one global batch"),  # 1 rank x 65 > 64 samples
 ])
 def test_data_config_errors_fail_before_training(data_args, message, tmp_path, tiny_demo, tiny_clip_json):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
