@@ -49,6 +49,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         resampled: draw shards with replacement (infinite stream, nominal epoch) instead of exact
             epochs; needed when there are fewer shards than ranks x workers, or to weight sources.
         train_num_samples: samples per epoch in resampled mode; read from ``sizes.json`` if unset.
+            Exact epochs read what the shards hold, and warn if this says otherwise.
         image_size: model input side (linked from the model by the CLI).
         image_mean: normalisation mean (linked from the model).
         image_std: normalisation std (linked from the model).
@@ -146,6 +147,9 @@ class ImageTextDataModule(pl.LightningDataModule):
             return
         total = sum(spec.sizes)
         used = spec.rank_batches * spec.world_size * spec.batch_size
+        if self.train_num_samples is not None and self.train_num_samples != total:
+            rank_zero_warn(f"data.train_num_samples={self.train_num_samples} applies to resampled mode: exact epochs "
+                           f"read the {total} samples the shards hold")
         rank_zero_info(f"data: exact epochs over {topology}: {total} samples, {used} read per epoch in "
                        f"{spec.rank_batches} batches per rank, {total - used} left out, 0 duplicates; "
                        f"shards re-dealt every epoch")

@@ -124,3 +124,16 @@ def test_a_range_inside_a_local_shard_is_entered_by_seeking_to_the_same_samples(
         # A pipe: URL cannot seek: read from the start, the same samples come out.
         piped = list(_shard_samples(f"pipe:cat {path}", 5, _Health(1.0)))
         assert [o for o, _ in piped] == [5, 6, 7]
+
+
+def test_setup_reports_the_epoch_plan(tmp_path, caplog):
+    import logging
+
+    import pytest
+
+    write_dataset(tmp_path, [5, 7, 3, 6, 4, 5, 6, 5])
+    module = _module(str(tmp_path), train_num_samples=1000)
+    with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match="train_num_samples=1000 applies to resampled"):
+        module.setup("fit")
+    assert any("1 ranks x 2 workers x batch 2: 41 samples, 40 read per epoch in 20 batches per rank, 1 left out, "
+               "0 duplicates" in r.getMessage() for r in caplog.records)
