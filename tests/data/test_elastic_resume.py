@@ -182,3 +182,36 @@ def test_a_resumed_module_reports_and_finishes_the_epoch_through_its_loader(tmp_
     assert len(set(every) - set(rest) - set(consumed)) < 2 * 3 + 3  # both plans left out less than a batch each
     saved = module.state_dict()["position"]
     assert saved["topology"] == {"world": 1, "workers": 2, "batch": 3, "buffer": 5} and saved["offset"] == 3
+
+
+def test_a_resume_with_less_than_a_global_batch_left_ends_the_epoch(tmp_path):
+    write_dataset(tmp_path, SIZES)
+    data = str(tmp_path)
+    state, _ = _checkpoint(_module(data, 2), data, world=2, k=10)  # the whole epoch: 60 read, 4 left out
+    module = _module(data, 1)
+    module.load_state_dict(state)
+    loader = module.train_dataloader()
+    assert len(loader) == 10 and list(loader) == []  # the trainer, at batch 10, sees the epoch done
+    assert module.position.epoch == 0 and module.position.history  # not restarted
+    state, consumed = _checkpoint(_module(data, 2), data, world=2, k=9)  # 6 of the 60 remain
+    rest, plan = _resume(data, state, world=4, workers=1)  # a global batch is 12
+    assert rest == [] and plan.total == plan.left_out == 6
+
+
+def test_positions_that_cannot_continue_exactly_restart_the_epoch_with_a_warning(tmp_path):
+    write_dataset(tmp_path, SIZES)
+    data = str(tmp_path)
+    state, _ = _checkpoint(_module(data, 2), data, world=2, k=3)
+    old = {k: state["position"][k] for k in ("epoch", "batches", "raw", "skipped")}  # an older mmssl's
+    resampled = dict(state["position"])
+    spec = _module(data, 2, resampled=True, train_num_samples=64).build_stream(data, True, 0, 1).spec
+    for saved, target, message in ((old, _module(data, 2).build_stream(data, True, 0, 2).spec, "does not record"),
+                                   (resampled, spec, "resampled streams continue only")):
+        position = StreamPosition()
+        with pytest.warns(UserWarning, match=message):
+            position.load_state_dict(saved, target)
+        assert position.start(0, target).resume == {}  # from the epoch's beginning
+    module = _module(data, 2, seed=1)
+    with pytest.warns(UserWarning, match="data.seed=0, this run has data.seed=1"):
+        module.load_state_dict(state)
+    assert module.position.epoch == -1
