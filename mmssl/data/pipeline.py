@@ -25,35 +25,26 @@ worker has consumed this epoch) and ``__skipped__`` (samples skipped since its p
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
 import random
-import re
-import tarfile
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
-import webdataset as wds
 from torch.utils.data import IterableDataset, get_worker_info
-from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
 from mmssl.data.decode import BadSample, SampleDecoder
 from mmssl.data.plan import EpochPlan, Generation, Piece, ReservoirDraws, Topology, epoch_base, slot_seed, split_base
-from mmssl.data.sources import Source, is_local, shard_sizes
+from mmssl.data.reading import Health, read_pieces, read_shards
+from mmssl.data.sources import Source, shard_sizes
 
 log = logging.getLogger("mmssl.data")
 
 META_KEYS = ("__worker__", "__raw__", "__skipped__")
-# Judge the bad fraction only once a worker has seen this many samples, so that one bad sample
-# among the first few does not stop a run.
-MIN_SEEN_FOR_FRACTION = 64
 # Resampled mode gives up after this many shard draws in a row that yield no sample.
 MAX_EMPTY_DRAWS = 50
-# Tar members webdataset skips (its ``tar_file_iterator`` default), skipped when counting samples too.
-WDS_SKIP_META = r"__[^/]*__($|/)"
 
 
 @dataclass(frozen=True)
@@ -174,119 +165,6 @@ def plan_stream(
     return StreamSpec(sizes=tuple(sizes), rank_batches=rank_batches, **common)
 
 
-class _Health:
-    """Counts and reports bad input inside one worker."""
-
-    def __init__(self, max_bad_fraction: float) -> None:
-        self.max_bad_fraction = max_bad_fraction
-        self.seen = self.bad = self.pending = self.raw = 0
-        self.muted = False  # while skipping already-served samples after a resume
-        self.errors: list[str] = []
-
-    def sample_failed(self, sample: dict, reason: str) -> None:
-        self.seen += 1
-        self.bad += 1
-        self.pending += 1
-        self._report(f"skipped sample {sample.get('__key__')!r} in {sample.get('__url__')}: {reason}")
-        if self.seen >= MIN_SEEN_FOR_FRACTION and self.bad > self.max_bad_fraction * self.seen:
-            raise RuntimeError(
-                f"{self.bad} of {self.seen} samples were bad, more than data.max_bad_fraction="
-                f"{self.max_bad_fraction}; last problems: {self.errors[-3:]}")
-
-    def tar_failed(self, url: str, exn: Exception) -> bool:
-        """webdataset handler: count and warn, then continue with the next member or shard."""
-        if not self.muted:
-            self.pending += 1
-            detail = exn.args[0] if exn.args else type(exn).__name__
-            self._report(f"skipped unreadable data in shard {url}: {type(exn).__name__}: {detail}")
-        return True
-
-    def _report(self, line: str) -> None:
-        self.errors = self.errors[-9:] + [line]
-        log.warning(line)
-
-    def take_pending(self) -> int:
-        pending, self.pending = self.pending, 0
-        return pending
-
-
-def _tar(url: str, health: _Health) -> Iterator[dict]:
-    return wds.tarfile_samples([{"url": url}], handler=functools.partial(health.tar_failed, url))
-
-
-def _read(urls: Iterator[str], health: _Health, give_up_after: Optional[int]) -> Iterator[dict]:
-    """Raw samples of each shard in turn; unreadable shards or members are skipped and counted."""
-    empty_in_row = 0
-    for url in urls:
-        got = 0
-        for sample in _tar(url, health):
-            got += 1
-            health.raw += 1
-            yield sample
-        empty_in_row = 0 if got else empty_in_row + 1
-        if give_up_after and empty_in_row >= give_up_after:
-            raise RuntimeError(f"{empty_in_row} shard draws in a row gave no sample; last problems: "
-                               f"{health.errors[-3:]}")
-
-
-def _sample_start(path: str, first: int) -> Optional[tuple[int, str]]:
-    """Byte offset and key of the ``first``-th sample of a local tar, reading member headers only.
-
-    Samples are counted as webdataset groups them (regular files, metadata skipped, consecutive
-    members sharing ``base_plus_ext``'s key); ``None`` when the tar cannot be scanned this way.
-    """
-    try:
-        with tarfile.open(path, "r:") as tar:  # random access: the scan seeks over member data
-            key, count = None, -1
-            for member in tar:
-                name = member.name
-                if not member.isreg() or re.match(WDS_SKIP_META, name):
-                    continue
-                prefix, _ = base_plus_ext(name)
-                if prefix is not None and prefix != key:
-                    key, count = prefix, count + 1
-                    if count == first:
-                        return member.offset, prefix
-    except (tarfile.TarError, OSError):
-        pass
-    return None
-
-
-def _shard_samples(url: str, first: int, health: _Health) -> Iterator[tuple[int, dict]]:
-    """``(offset, raw sample)`` of a shard from sample ``first`` on.
-
-    A local ``.tar`` is entered at that sample's header (``seek``), so the samples before a slot's
-    range cost a header scan, not a read; other URLs are read from the start and the samples before
-    ``first`` dropped undecoded.
-    """
-    start = _sample_start(url, first) if first > 0 and is_local(url) and url.endswith(".tar") else None
-    if start is not None:
-        handler = functools.partial(health.tar_failed, url)
-        with open(url, "rb") as stream:
-            stream.seek(start[0])
-            samples = group_by_keys(tar_file_expander([{"url": url, "stream": stream}], handler=handler), handler=handler)
-            head = next(samples, None)
-            if head is not None and head["__key__"] == start[1]:
-                yield first, head
-                yield from enumerate(samples, start=first + 1)
-                return
-    for offset, sample in enumerate(_tar(url, health)):
-        if offset >= first:
-            yield offset, sample
-
-
-def _read_pieces(urls: Sequence[str], pieces: Sequence[Piece], health: _Health) -> Iterator[dict]:
-    """Raw samples of each piece in turn; samples outside it are not decoded (see :func:`_shard_samples`)."""
-    for piece in pieces:
-        wanted = set(piece.offsets) if piece.offsets else None
-        for offset, sample in _shard_samples(urls[piece.shard], piece.lo, health):
-            if offset >= piece.hi:
-                break
-            if wanted is None or offset in wanted:
-                health.raw += 1
-                yield sample
-
-
 def _resampled_urls(sources: Sequence[Source], rng: random.Random) -> Iterator[str]:
     weights = [s.weight for s in sources]
     while True:
@@ -294,13 +172,13 @@ def _resampled_urls(sources: Sequence[Source], rng: random.Random) -> Iterator[s
         yield rng.choice(source.urls)
 
 
-def _slot_raw(spec: StreamSpec, pieces: Sequence[Piece], seed: str, health: _Health) -> Iterator[dict]:
+def _slot_raw(spec: StreamSpec, pieces: Sequence[Piece], seed: str, health: Health) -> Iterator[dict]:
     """A slot's shuffled raw samples; further passes only if bad input left it short of batches."""
     urls, passes = spec.urls, 0
     while True:
         before = health.raw
         draws = ReservoirDraws(seed if not passes else f"{seed}/pass{passes}", spec.shuffle_buffer)
-        yield from draws.shuffle(_read_pieces(urls, pieces, health))
+        yield from draws.shuffle(read_pieces(urls, pieces, health))
         shards = sorted({urls[p.shard] for p in pieces})
         if health.raw == before:
             raise RuntimeError(f"no sample could be read from shards {shards[:5]}"
@@ -310,7 +188,7 @@ def _slot_raw(spec: StreamSpec, pieces: Sequence[Piece], seed: str, health: _Hea
                     f"shards {shards[:3]}{' ...' if len(shards) > 3 else ''} to fill its last batches")
 
 
-def raw_stream(spec: StreamSpec, epoch: int, worker: int, health: _Health, plan: Optional[EpochPlan] = None,
+def raw_stream(spec: StreamSpec, epoch: int, worker: int, health: Health, plan: Optional[EpochPlan] = None,
                generation: int = 0) -> Iterator[dict]:
     """The shuffled raw samples of one worker in one epoch (deterministic)."""
     if spec.exact:
@@ -322,10 +200,10 @@ def raw_stream(spec: StreamSpec, epoch: int, worker: int, health: _Health, plan:
         # Seeded from (seed, epoch, rank, worker); str seeds hash with SHA-512, stable across runs.
         rng = random.Random(f"{spec.seed}/{epoch}/{spec.rank}/{worker}")
         draws = ReservoirDraws(f"{spec.seed}/{epoch}/{spec.rank}/{worker}", spec.shuffle_buffer)
-        yield from draws.shuffle(_read(_resampled_urls(spec.sources, rng), health, MAX_EMPTY_DRAWS))
+        yield from draws.shuffle(read_shards(_resampled_urls(spec.sources, rng), health, MAX_EMPTY_DRAWS))
         return
     slot = spec.rank * spec.workers + worker
-    yield from _read(iter(spec.groups[slot] if slot < len(spec.groups) else ()), health, None)
+    yield from read_shards(iter(spec.groups[slot] if slot < len(spec.groups) else ()), health, None)
 
 
 def augmentation_rng(seed: int, epoch: int, sample: dict) -> random.Random:
@@ -370,7 +248,7 @@ def worker_batches(
     Returns:
         An iterator over this worker's remaining batches.
     """
-    health = _Health(spec.max_bad_fraction)
+    health = Health(spec.max_bad_fraction)
     health.muted = skip > 0
     if spec.exact:
         plan = plan or spec.plan(epoch)

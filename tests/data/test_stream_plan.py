@@ -97,7 +97,7 @@ def test_a_range_inside_a_local_shard_is_entered_by_seeking_to_the_same_samples(
     import io
     import tarfile
 
-    from mmssl.data.pipeline import _Health, _sample_start, _shard_samples, _tar
+    from mmssl.data.reading import Health, _sample_start, _shard_samples, _tar
 
     members = [("__meta__", b"x"), ("dir/", None)]
     members += [(f"{'long_' * 30 if i == 4 else ''}s{i:03d}.{ext}", f"{i}{ext}".encode()) for i in range(8)
@@ -115,14 +115,14 @@ def test_a_range_inside_a_local_shard_is_entered_by_seeking_to_the_same_samples(
                 else:
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
-        every = list(enumerate(_tar(str(path), _Health(1.0))))
+        every = list(enumerate(_tar(str(path), Health(1.0))))
         assert len(every) == 8
         for first in (1, 4, 7):
             assert _sample_start(str(path), first)[0] > 0  # entered by seeking, not read from the start
-            got = list(_shard_samples(str(path), first, _Health(1.0)))
+            got = list(_shard_samples(str(path), first, Health(1.0)))
             assert [(o, s["__key__"], s["jpg"]) for o, s in got] == [(o, s["__key__"], s["jpg"]) for o, s in every[first:]]
         # A pipe: URL cannot seek: read from the start, the same samples come out.
-        piped = list(_shard_samples(f"pipe:cat {path}", 5, _Health(1.0)))
+        piped = list(_shard_samples(f"pipe:cat {path}", 5, Health(1.0)))
         assert [o for o, _ in piped] == [5, 6, 7]
 
 
