@@ -95,6 +95,11 @@ class SampleDecoder:
         self.image_keys, self.text_key, self.label_key = tuple(image_keys), text_key, label_key
         self.min_size = min_size
 
+    def output_keys(self, raw: dict[str, Any]) -> set[str]:
+        """The keys :meth:`__call__` returns for ``raw`` if it decodes (found without decoding)."""
+        return {"image"} | ({"text"} if self.tokenizer is not None else set()) | (
+            {"label"} if self.label_key in raw else set())
+
     def __call__(self, raw: dict[str, Any], rng: Optional[random.Random] = None) -> dict[str, Any]:
         image_key = next((k for k in self.image_keys if k in raw), None)
         if image_key is None:
@@ -117,7 +122,7 @@ class SampleDecoder:
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         """Stack decoded samples, which all carry the same keys, into a batch, tokenising captions.
 
-        The stream skips a sample whose keys differ from its batch's first sample
+        The stream skips a sample that lacks a key its stream carries
         (:func:`~mmssl.data.pipeline.worker_batches`), so no key is dropped for a whole batch.
 
         Args:

@@ -232,8 +232,9 @@ def worker_batches(
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Batches of one worker in one epoch.
 
-    A decoded sample whose keys differ from those of the first sample of its batch (say, it lacks
-    the label the others carry) is skipped as bad, so a batch never loses a key.
+    A sample that lacks a key the worker's stream has carried this epoch (say, a label) is skipped
+    as bad, so a batch never loses a key; samples held in the open batch when a key first appears
+    are skipped then.
 
     Args:
         spec: the stream spec.
@@ -257,29 +258,38 @@ def worker_batches(
         limit = None if spec.rank_batches is None else spec.rank_batches // spec.workers - done
     if limit is not None and limit <= 0:
         return
-    batch: list[dict] = []
+    batch: list[tuple[dict, dict]] = []  # (raw sample, decoded)
+    keys: set[str] = set()  # every key the stream carried so far (read from raw samples, so resume-safe)
     position = 0
     for position, sample in enumerate(raw_stream(spec, epoch, worker, health, plan, generation), start=1):
+        carried = decoder.output_keys(sample)
+        if not carried <= keys:  # a new key (say, the first label): drop what lacks it
+            keys |= carried
+            for raw, out in batch:
+                if out.keys() != keys:
+                    health.seen -= 1  # counted again as bad
+                    health.sample_failed(raw, f"lacks {sorted(keys - out.keys())}, which its stream carries")
+            batch = [(raw, out) for raw, out in batch if out.keys() == keys]
         if position <= skip:
             continue
         health.muted = False
         try:
             out = decoder(sample, augmentation_rng(spec.seed, epoch, sample)) if spec.train else decoder(sample)
-            if batch and out.keys() != batch[0].keys():
-                raise BadSample(f"has {sorted(out)}, its batch has {sorted(batch[0])}")
-            batch.append(out)
+            if out.keys() != keys:
+                raise BadSample(f"lacks {sorted(keys - out.keys())}, which its stream carries")
+            batch.append((sample, out))
             health.seen += 1
         except BadSample as exn:
             health.sample_failed(sample, str(exn))
         if len(batch) == spec.batch_size:
-            yield collate(batch, worker, position, health.take_pending(), decoder)
+            yield collate([out for _, out in batch], worker, position, health.take_pending(), decoder)
             batch = []
             if limit is not None:
                 limit -= 1
                 if limit == 0:
                     return
     if batch and not spec.train:
-        yield collate(batch, worker, position, health.take_pending(), decoder)
+        yield collate([out for _, out in batch], worker, position, health.take_pending(), decoder)
 
 
 @dataclass(frozen=True)

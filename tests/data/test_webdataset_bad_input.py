@@ -88,15 +88,19 @@ def test_missing_shards_are_named(tmp_path):
         _module(train_data=f"{tmp_path}/{{00000..00001}}.tar").train_dataloader()
 
 
-def test_a_sample_without_the_label_its_batch_has_is_skipped_not_the_label(tmp_path, caplog):
-    members = sample_members(0) + [m for m in sample_members(1) if not m[0].endswith(".cls")] + sample_members(2)
-    write_tar(tmp_path / "00000.tar", members)
-    module = _module(val_data=str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="mmssl.data"):
-        batches = list(module.val_dataloader())
-    assert [b["label"].tolist() for b in batches] == [[0, 2]]  # the label stays; sample 1 is skipped...
-    assert sum(int(b["__skipped__"]) for b in batches) == 1  # ...and counted
-    assert any("'s00001'" in r.getMessage() and "label" in r.getMessage() for r in caplog.records)
+def test_a_sample_without_the_label_its_stream_has_is_skipped_not_the_label(tmp_path, caplog):
+    unlabelled = [[m for m in sample_members(i) if not m[0].endswith(".cls")] for i in range(6)]
+    # Shard 0: labelled, unlabelled, labelled. Shard 1: an unlabelled sample before the first label.
+    write_tar(tmp_path / "00000.tar", sample_members(0) + unlabelled[1] + sample_members(2))
+    write_tar(tmp_path / "00001.tar", unlabelled[3] + sample_members(4) + sample_members(5))
+    for urls, labels in (([tmp_path / "00000.tar"], [[0, 2]]), ([tmp_path / "00001.tar"], [[4, 5]])):
+        module = _module(val_data=[str(u) for u in urls])
+        with caplog.at_level(logging.WARNING, logger="mmssl.data"):
+            batches = list(module.val_dataloader())
+        assert [b["label"].tolist() for b in batches] == labels  # the label stays; the sample without it goes...
+        assert sum(int(b["__skipped__"]) for b in batches) == 1  # ...counted
+    assert any("'s00001'" in r.getMessage() and "lacks ['label']" in r.getMessage() for r in caplog.records)
+    assert any("'s00003'" in r.getMessage() and "lacks ['label']" in r.getMessage() for r in caplog.records)
     decoder = module._decoder(train=False)
     with pytest.raises(ValueError, match="mixes samples with keys"):
         decoder.collate([{"image": torch.zeros(3, 8, 8), "label": 1}, {"image": torch.zeros(3, 8, 8)}])
