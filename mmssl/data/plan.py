@@ -220,38 +220,37 @@ def remaining(pieces: Sequence[Piece], raw: int, buffer: int, seed: str) -> list
     if buffer <= 1:
         return _positions_to_pieces(pieces, np.zeros(0, dtype=np.int64), raw)
     draws = ReservoirDraws(seed, buffer)
-    steps = max(0, n - buffer)
+    steps = max(0, n - buffer)  # emissions while streaming; the flush emits the rest
+    held = _held_after(draws.choices(min(raw, steps)), min(buffer, n))
     if raw <= steps:
-        choices = draws.choices(raw)
-        held = np.arange(buffer)
-        last = np.full(buffer, -1)
-        np.maximum.at(last, choices, np.arange(raw))
-        written = last >= 0
-        held[written] = buffer + last[written]  # step i wrote position buffer + i
         return _positions_to_pieces(pieces, held, buffer + raw)
-    choices = draws.choices(steps)
-    held = np.arange(min(buffer, n))
-    if steps:
-        last = np.full(buffer, -1)
-        np.maximum.at(last, choices, np.arange(steps))
-        written = last >= 0
-        held[written] = buffer + last[written]
     order = draws.rng.permutation(len(held))
     return _positions_to_pieces(pieces, held[order[raw - steps:]], n)
 
 
+def _held_after(choices: np.ndarray, buffer: int) -> np.ndarray:
+    """Positions in a full buffer after its streaming steps: step ``i`` wrote position ``buffer + i``
+    into place ``choices[i]``; each place keeps the last position written, else its first."""
+    held = np.arange(buffer)
+    last = np.full(buffer, -1)
+    np.maximum.at(last, choices, np.arange(len(choices)))
+    written = last >= 0
+    held[written] = buffer + last[written]
+    return held
+
+
 def _positions_to_pieces(pieces: Sequence[Piece], held: np.ndarray, tail_from: int) -> list[Piece]:
     """Explicit pieces for ``held`` positions (grouped by shard), then pieces for ``tail_from..n-1``."""
-    starts = np.cumsum([0] + [len(p) for p in pieces])
+    starts = np.cumsum([0] + [len(p) for p in pieces]).tolist()
     by_shard: dict[int, list[int]] = {}
     for pos in np.sort(held).tolist():
         i = bisect.bisect_right(starts, pos) - 1
-        piece, k = pieces[i], pos - int(starts[i])
+        piece, k = pieces[i], pos - starts[i]
         by_shard.setdefault(piece.shard, []).append(piece.offsets[k] if piece.offsets else piece.lo + k)
     out = [Piece(s, min(o), max(o) + 1, tuple(sorted(o))) for s, o in sorted(by_shard.items())]
     i = bisect.bisect_right(starts, tail_from) - 1
     if i < len(pieces):
-        out.append(pieces[i].cut(tail_from - int(starts[i]))[1])
+        out.append(pieces[i].cut(tail_from - starts[i])[1])
         out += pieces[i + 1:]
     return [p for p in out if len(p)]
 
