@@ -1,40 +1,98 @@
-"""DDP through the real CLI: 2 CPU processes (gloo), stacked with configs/trainer/ddp_cpu.yaml."""
+"""DDP through the real CLI, validation on: 2 gloo CPU processes stacked with configs/trainer/ddp_cpu.yaml.
+
+Validation shards are dealt over ranks, so with one validation shard rank 1 has no batch at all,
+and with three shards on 2 ranks x 2 workers the ranks hold 2 and 1. Both once hung the run (a
+collective joined only by the ranks with data). Every run here has a hard timeout and a short
+process-group timeout, so a hang fails the test instead of CI.
+"""
+
+from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl
 
-REPO = Path(__file__).resolve().parents[1]
+TINY_MAE = [
+    "--model.init_args.embed_dim=32", "--model.init_args.depth=2", "--model.init_args.num_heads=2",
+    "--model.init_args.decoder_embed_dim=32", "--model.init_args.decoder_depth=1",
+    "--model.init_args.decoder_num_heads=2",
+]
+DDP = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT]
 
 
-@pytest.mark.parametrize("recipe", ["clip", "mae"])
-def test_two_process_ddp_ends_with_identical_parameters(recipe, tmp_path, tiny_demo, tiny_clip_json):
-    model_args = [f"--model.init_args.model_name={tiny_clip_json}"] if recipe == "clip" else [
-        "--model.init_args.embed_dim=32", "--model.init_args.depth=1", "--model.init_args.num_heads=2",
-        "--model.init_args.decoder_embed_dim=32", "--model.init_args.decoder_depth=1",
-        "--model.init_args.decoder_num_heads=2",
+def _common(recipe: str, tmp_path, demo, clip_json: str, val_data: str) -> list[str]:
+    model = [f"--model.init_args.model_name={clip_json}"] if recipe == "clip" else TINY_MAE
+    return [
+        "fit", "--config", str(REPO / f"configs/demo/{recipe}.yaml"), *model,
+        f"--data.init_args.demo_dir={demo.root}", f"--data.init_args.val_data={val_data}",
+        "--data.init_args.batch_size=4", f"--trainer.default_root_dir={tmp_path / 'runs'}",
+        "--trainer.enable_progress_bar=false",
     ]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([
-        sys.executable, "-m", "mmssl", "fit",
-        "--config", str(REPO / f"configs/demo/{recipe}.yaml"),
-        "--config", str(REPO / "configs/trainer/ddp_cpu.yaml"),
-        *model_args,
-        f"--data.init_args.demo_dir={tiny_demo.root}", "--data.init_args.batch_size=4",
-        "--data.init_args.num_workers=0", "--trainer.max_steps=3", "--trainer.limit_val_batches=0",
-        f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false",
+
+
+def _val_shards(demo, how: str) -> str:
+    """``one``: a single held-out shard (rank 1 gets none); ``uneven``: three 16-sample shards."""
+    val, train = os.path.dirname(demo.val), os.path.dirname(demo.train)
+    if how == "one":
+        return f"{val}/00000.tar"
+    return "::".join(f"{train}/{i:05d}.tar" for i in range(3))
+
+
+@pytest.mark.parametrize("recipe, val", [("clip", "one"), ("mae", "uneven")])
+def test_readme_ddp_command_finishes_with_validation_on(recipe, val, tmp_path, tiny_demo, tiny_clip_json):
+    """The README's 2-process command, validation at every epoch end, ranks in lockstep."""
+    out = run_mmssl([
+        *_common(recipe, tmp_path, tiny_demo, tiny_clip_json, _val_shards(tiny_demo, val)), *DDP,
+        "--data.init_args.num_workers=2", "--trainer.max_epochs=2",
         "--trainer.callbacks+=helpers.DumpParams", f"--trainer.callbacks.folder={tmp_path / 'params'}",
-    ], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    ], tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:]
     assert "world_size=2" in out.stdout and "global_batch_size=8" in out.stdout
     rank0 = torch.load(tmp_path / "params" / "rank0.pt")
     rank1 = torch.load(tmp_path / "params" / "rank1.pt")
-    start = torch.load(tmp_path / "runs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
-    assert start["global_step"] == 3
-    assert rank0.keys() == rank1.keys()
     for name in rank0:
         torch.testing.assert_close(rank0[name], rank1[name], rtol=0, atol=0, msg=name)
+    metrics = last_metrics(tmp_path / "runs" / "version_0")
+    assert "val/loss" in metrics and metrics["val/loss"] == metrics["val/loss"]  # logged, not NaN
+
+
+CALLBACKS = {
+    "clip": ["--trainer.callbacks+=mmssl.callbacks.LinearProbe", "--trainer.callbacks.layers=true",
+             "--trainer.callbacks.max_train_samples=40",  # the set's first 40: the same on 1 or 2 ranks
+             "--trainer.callbacks+=mmssl.callbacks.KNNProbe", "--trainer.callbacks.max_train_samples=40"],
+    "mae": ["--trainer.callbacks+=mmssl.callbacks.LinearProbe", "--trainer.callbacks.layers=true",
+            "--trainer.callbacks+=mmssl.callbacks.KNNProbe",
+            "--trainer.callbacks+=mmssl.callbacks.Reconstructions", "--trainer.callbacks.every_n_steps=1",
+            "--trainer.callbacks.num_images=2"],
+}
+
+
+@pytest.mark.parametrize("recipe, val", [("clip", "uneven"), ("mae", "one")])
+def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, tiny_clip_json):
+    """val/loss, retrieval, zero-shot, linear (per block) and k-NN probes: 2 ranks = 1 process.
+
+    The learning rate is 0, so both runs validate the same weights; validation shards hold
+    whole batches (16 samples, batch 4), so CLIP's in-batch loss sees the same batches too.
+    """
+    figures = []
+    for processes in (1, 2):
+        folder = tmp_path / f"p{processes}"
+        folder.mkdir()
+        lr = ("--model.init_args.optimizer.init_args.lr=0.0" if recipe == "clip" else "--model.init_args.blr=0.0")
+        out = run_mmssl([
+            *_common(recipe, folder, tiny_demo, tiny_clip_json, _val_shards(tiny_demo, val)),
+            *(DDP if processes == 2 else []), lr, "--data.init_args.num_workers=2",
+            "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", *CALLBACKS[recipe],
+        ], folder)
+        assert out.returncode == 0, out.stdout[-3000:]
+        figures.append(last_metrics(folder / "runs" / "version_0"))
+    one, two = figures
+    expected = {"val/loss", "probe/linear_top1", "probe/linear_top1_block1", "probe/knn_top1"}
+    expected |= {"val/zero_shot_top1", "val/i2t_R@1", "val/t2i_R@10"} if recipe == "clip" else set()
+    assert expected <= one.keys() and one.keys() == two.keys()
+    for key in one:
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-5), key
+    if recipe == "mae":
+        assert list((tmp_path / "p2" / "runs" / "version_0" / "reconstructions").glob("*.png"))

@@ -18,7 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from mmssl.evaluation.features import check_feature
 from mmssl.evaluation.knn import knn_scores
-from mmssl.evaluation.online import ProbeSpec, default_data, probe_features, should_run
+from mmssl.evaluation.online import ProbeSpec, check_labelled_set, default_data, probe_features, should_run
 
 
 class KNNProbe(pl.Callback):
@@ -49,6 +49,8 @@ class KNNProbe(pl.Callback):
         max_train_samples: Optional[int] = None,
     ) -> None:
         check_feature(feature)
+        if every_n_epochs < 1:
+            raise ValueError(f"KNNProbe: every_n_epochs must be >= 1, got {every_n_epochs}")
         if k < 1 or temperature <= 0:
             raise ValueError(f"KNNProbe: need k >= 1 and temperature > 0, got k={k}, temperature={temperature}")
         self.train_data, self.val_data, self.feature = train_data, val_data, feature
@@ -56,14 +58,19 @@ class KNNProbe(pl.Callback):
         self.every_n_epochs, self.batch_size, self.num_workers = every_n_epochs, batch_size, num_workers
         self.max_train_samples = max_train_samples
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        train, val = default_data(trainer, self.train_data, self.val_data, "KNNProbe")
+        check_labelled_set(train, "KNNProbe", "train_data")  # every rank, at start
+        check_labelled_set(val, "KNNProbe", "val_data")
+
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not should_run(trainer, self.every_n_epochs):
             return
         for name, value in self.evaluate(trainer, pl_module).items():
-            pl_module.log(f"probe/knn_{name}", value)
+            pl_module.log(f"probe/knn_{name}" if name != "skipped" else "probe/skipped", value)
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
-        """Score the model; returns ``{"top1", "top5"}`` reduced over ranks."""
+        """Score the model; returns ``{"top1", "top5"}`` reduced over ranks and ``"skipped"`` samples."""
         train, val = default_data(trainer, self.train_data, self.val_data, "KNNProbe")
         spec = ProbeSpec(train, val, self.feature, False, self.batch_size, self.num_workers, self.max_train_samples)
         feats = probe_features(trainer, pl_module, spec)
@@ -76,4 +83,4 @@ class KNNProbe(pl.Callback):
             )
             for metric in metrics.values():
                 metric.update(scores, feats.val.labels.to(device))
-        return {k: m.compute() for k, m in metrics.items()}
+        return {**{k: m.compute() for k, m in metrics.items()}, "skipped": float(feats.skipped)}

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from mmssl.evaluation.features import check_feature
 from mmssl.evaluation.linear import METHODS, score_linear
-from mmssl.evaluation.online import ProbeSpec, default_data, probe_features, run_folder, should_run
+from mmssl.evaluation.online import ProbeSpec, check_labelled_set, default_data, probe_features, run_folder, should_run
 from mmssl.evaluation.plot import plot_layer_accuracy
 
 
@@ -88,12 +88,18 @@ class LinearProbe(pl.Callback):
         return ProbeSpec(train, val, self.feature, self.layers, self.batch_size, self.num_workers,
                          self.max_train_samples)
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        spec = self.spec(trainer)  # every rank checks at start, so a bad set stops all of them
+        check_labelled_set(spec.train_data, "LinearProbe", "train_data")
+        check_labelled_set(spec.val_data, "LinearProbe", "val_data")
+
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not should_run(trainer, self.every_n_epochs):
             return
         results = self.evaluate(trainer, pl_module)
         for name, value in results["final"].items():
             pl_module.log(f"probe/linear_{name}", value)
+        pl_module.log("probe/skipped", float(results["skipped"]))
         per_block = results.get("blocks", [])
         for i, block in enumerate(per_block, start=1):
             pl_module.log(f"probe/linear_top1_block{i}", block["top1"])
@@ -101,11 +107,12 @@ class LinearProbe(pl.Callback):
             self._plot(trainer, [float(b["top1"]) for b in per_block])
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
-        """Probe the model; returns ``{"final": {"top1", "top5"}, "blocks": [{"top1", ...}] }``."""
+        """Probe the model; returns ``{"final": {"top1", "top5"}, "blocks": [{"top1", ...}], "skipped"}``."""
         feats = probe_features(trainer, pl_module, self.spec(trainer))
         device = pl_module.device
         args = (feats.num_classes, self.method, device)
-        out: dict = {"final": score_linear(feats.train, feats.val, 0, *args, **self.fit_kwargs)}
+        out: dict = {"final": score_linear(feats.train, feats.val, 0, *args, **self.fit_kwargs),
+                     "skipped": feats.skipped}
         if self.layers:
             out["blocks"] = [
                 score_linear(feats.train, feats.val, i, *args, **self.fit_kwargs)

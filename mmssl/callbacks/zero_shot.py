@@ -9,6 +9,7 @@ from torch import Tensor
 
 from mmssl.data.labeled import labeled_loader, read_classnames, read_templates
 from mmssl.data.transforms import eval_transform
+from mmssl.evaluation.online import check_labelled_set
 from mmssl.evaluation.zero_shot import build_zero_shot_classifier, zero_shot_evaluate
 
 __all__ = ["ZeroShot", "build_zero_shot_classifier"]
@@ -52,6 +53,12 @@ class ZeroShot(pl.Callback):
             raise ValueError("ZeroShot: set init_args.data to a labelled set (classnames.txt + shards with cls)")
         return data
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Every rank checks at start, so a missing set or class list stops all of them at once.
+        data = self._data(trainer)
+        check_labelled_set(data, "ZeroShot", "data", need_classnames=self.classnames is None)
+        read_templates(data, self.templates)
+
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
@@ -62,7 +69,7 @@ class ZeroShot(pl.Callback):
                 pl_module.log(f"val/zero_shot_{key}", value)
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
-        """Score the model; returns ``{"top1", "top5", "num_samples"}`` reduced over ranks."""
+        """Score the model; returns ``{"top1", "top5", "num_samples", "skipped"}`` reduced over ranks."""
         data = self._data(trainer)
         classnames = read_classnames(data, self.classnames)
         templates = read_templates(data, self.templates)

@@ -12,7 +12,7 @@ The probe protocol a model offers (MAE and CLIP in mmssl, timm / open_clip files
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Literal, Optional
 
 import torch
@@ -88,10 +88,16 @@ def image_features(model: nn.Module, images: Tensor, feature: str, layers: bool 
 
 @dataclass
 class FeatureSet:
-    """Features of a labelled set: ``features[i]`` is (N, D_i), ``labels`` (N,)."""
+    """Features of a labelled set: ``features[i]`` is (N, D_i), ``labels`` (N,).
+
+    ``index`` (N,) is each sample's place in the whole set (``labeled_loader``), empty when the
+    batches carried none; ``skipped`` counts the unreadable samples left out.
+    """
 
     features: list[Tensor]
     labels: Tensor
+    index: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    skipped: int = 0
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -121,15 +127,23 @@ def extract(
     check_feature(feature)
     chunks: list[list[Tensor]] = []
     labels: list[Tensor] = []
+    index: list[Tensor] = []
+    skipped = 0
     with frozen_eval(model):
         for batch in batches:
+            skipped += int(batch.get("skipped", 0))
+            if len(batch["label"]) == 0:  # a batch that only reports skipped samples
+                continue
             with context():
                 feats = image_features(model, batch["image"].to(device), feature, layers)
             chunks.append([f.cpu() for f in feats])
             labels.append(batch["label"].cpu().long())
+            if "index" in batch:
+                index.append(batch["index"].cpu().long())
     if not chunks:
-        return FeatureSet([], torch.zeros(0, dtype=torch.long))
-    return FeatureSet([torch.cat(c) for c in zip(*chunks)], torch.cat(labels))
+        return FeatureSet([], torch.zeros(0, dtype=torch.long), skipped=skipped)
+    order = torch.cat(index) if len(index) == len(labels) else torch.zeros(0, dtype=torch.long)
+    return FeatureSet([torch.cat(c) for c in zip(*chunks)], torch.cat(labels), order, skipped)
 
 
 def gather_feature_set(local: FeatureSet, all_gather: Callable[[Tensor], Tensor], world_size: int) -> FeatureSet:
@@ -146,16 +160,19 @@ def gather_feature_set(local: FeatureSet, all_gather: Callable[[Tensor], Tensor]
         world_size: number of ranks.
 
     Returns:
-        All ranks' rows, rank 0's first.
+        All ranks' rows in the order of their ``index`` (the order one process reads them in,
+        so a probe fitted on them is the same on any number of ranks), else rank 0's first;
+        ``skipped`` summed over ranks.
     """
     if world_size == 1:
         return local
     # (n, number of feature tensors, D_1, ..., D_k): a rank with no rows reports zeros.
     dims = [f.shape[1] for f in local.features]
-    meta = all_gather(torch.tensor([len(local), len(dims)]))  # (W, 2)
+    meta = all_gather(torch.tensor([len(local), len(dims), local.skipped, len(local.index)]))  # (W, 4)
     sizes, largest = [int(n) for n in meta[:, 0]], int(meta[:, 0].max())
+    skipped = int(meta[:, 2].sum())
     if largest == 0:
-        return local
+        return FeatureSet(local.features, local.labels, local.index, skipped)
     num_feats = int(meta[:, 1].max())
     dims_all = all_gather(torch.tensor(dims + [0] * (num_feats - len(dims)), dtype=torch.long))
     dims = [int(d) for d in dims_all.max(dim=0).values.reshape(-1)]
@@ -171,4 +188,9 @@ def gather_feature_set(local: FeatureSet, all_gather: Callable[[Tensor], Tensor]
         gather_rows(local.features[i] if local.features else torch.zeros(0, d), d, torch.float32)
         for i, d in enumerate(dims)
     ]
-    return FeatureSet(features, gather_rows(local.labels, None, torch.long))
+    labels = gather_rows(local.labels, None, torch.long)
+    if not bool((meta[:, 3] == meta[:, 0]).all()):  # some rank's rows carry no index
+        return FeatureSet(features, labels, skipped=skipped)
+    index = gather_rows(local.index, None, torch.long)
+    order = torch.argsort(index)
+    return FeatureSet([f[order] for f in features], labels[order], index[order], skipped)

@@ -109,7 +109,7 @@ def zero_shot_report(
         device: where to run (default: CUDA if available, else CPU).
 
     Returns:
-        A JSON-ready dict: ``top1``, ``top5``, ``num_samples``, ``num_classes``,
+        A JSON-ready dict: ``top1``, ``top5``, ``num_samples``, ``skipped``, ``num_classes``,
         ``num_templates``, ``feature`` (``"embedding"``), ``seconds``.
     """
     if not all(hasattr(model, a) for a in ("encode_text", "tokenizer")):
@@ -121,7 +121,8 @@ def zero_shot_report(
     out = zero_shot_evaluate(model, _loader(model, data, batch_size, num_workers), names, prompts, device)
     return {
         "top1": float(out["top1"]), "top5": float(out["top5"]) if "top5" in out else None,
-        "feature": "embedding", "num_samples": int(out["num_samples"]), "num_classes": len(names),
+        "feature": "embedding", "num_samples": int(out["num_samples"]), "skipped": int(out["skipped"]),
+        "num_classes": len(names),
         "num_templates": len(prompts), "seconds": round(time.perf_counter() - start, 3),
     }
 

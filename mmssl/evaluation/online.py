@@ -7,15 +7,17 @@ the second callback reuses them (cache keyed by trainer, step and settings).
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import lightning.pytorch as pl
 import torch
+from torch import Tensor
+from torchvision.datasets import ImageFolder
 
-from mmssl.data.labeled import labeled_loader, read_classnames
+from mmssl.data.labeled import is_image_folder, labeled_loader, read_classnames
+from mmssl.data.sources import expand_urls, is_local, shard_sizes
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.features import FeatureSet, extract, gather_feature_set
 
@@ -44,6 +46,51 @@ def default_data(trainer: pl.Trainer, train_data: Optional[str], val_data: Optio
             "cls, or image folders); the data module offers none"
         )
     return train, val
+
+
+def check_labelled_set(data: str, who: str, key: str, need_classnames: bool = False) -> None:
+    """Fail at start-up, on every rank alike, when a labelled set cannot be evaluated.
+
+    Called from the callbacks' ``setup``, which runs on every rank before training, so a missing
+    or empty set stops the whole job with the key named instead of one rank mid-run (which
+    would leave the others waiting in a collective).
+
+    Args:
+        data: the labelled set.
+        who: the callback, for the message.
+        key: the config key that set ``data``.
+        need_classnames: the set must have ``classnames.txt`` (zero-shot).
+    """
+    where = f"{who}: {key}={data!r}"
+    if is_image_folder(data):
+        if not ImageFolder.find_classes(data)[0]:
+            raise ValueError(f"{where} holds no class folders")
+    else:
+        urls = expand_urls(data)
+        missing = [u for u in urls if is_local(u) and not os.path.exists(u)]
+        if not urls or missing:
+            raise FileNotFoundError(f"{where}: no shards found{f', e.g. missing {missing[:3]}' if missing else ''}")
+        sizes = shard_sizes(urls, scan=False)
+        if sizes is not None and sum(sizes) == 0:
+            raise ValueError(f"{where}: its sizes.json lists no samples")
+    if need_classnames:
+        read_classnames(data)  # raises, naming the file it looked for
+
+
+def check_labels(labels: Tensor, num_classes: int, data: str, who: str, reduce: Callable[[Tensor], Tensor]) -> None:
+    """Raise on every rank when any rank holds a label outside ``[0, num_classes)``.
+
+    Args:
+        labels: this rank's labels.
+        num_classes: C (``classnames.txt``, or the largest label + 1).
+        data: the labelled set, for the message.
+        who: the callback.
+        reduce: sum over ranks (``lambda t: all_gather(t).sum(0)``); every rank must call this.
+    """
+    bad = int(reduce(((labels < 0) | (labels >= num_classes)).sum()))  # summed over ranks
+    if bad:
+        raise ValueError(f"{who}: labelled set {data!r} has {bad} labels outside [0, {num_classes}) "
+                         f"({num_classes} classes in its classnames.txt or labels); check its cls values")
 
 
 def num_classes_of(train: str, val: str, labels: torch.Tensor) -> int:
@@ -76,6 +123,7 @@ class ProbeFeatures:
     train: FeatureSet
     val: FeatureSet
     num_classes: int
+    skipped: int = 0  # unreadable samples of both sets, all ranks
 
 
 _cache: dict[tuple, ProbeFeatures] = {}
@@ -83,13 +131,10 @@ _cache: dict[tuple, ProbeFeatures] = {}
 
 def _loader(trainer: pl.Trainer, pl_module: pl.LightningModule, data: str, spec: ProbeSpec, limit: Optional[int]):
     transform = eval_transform(pl_module.image_size, pl_module.image_mean, pl_module.image_std)
-    loader = labeled_loader(
-        data, transform, spec.batch_size, spec.num_workers, trainer.global_rank, trainer.world_size
+    # ``limit`` keeps the set's first samples in shard order: the same subset on any number of ranks.
+    return labeled_loader(
+        data, transform, spec.batch_size, spec.num_workers, trainer.global_rank, trainer.world_size, limit=limit
     )
-    if limit is None:
-        return loader
-    per_rank = -(-limit // trainer.world_size)  # ceil: every rank takes its share of the limit
-    return itertools.islice(loader, -(-per_rank // spec.batch_size))
 
 
 def probe_features(trainer: pl.Trainer, pl_module: pl.LightningModule, spec: ProbeSpec) -> ProbeFeatures:
@@ -120,7 +165,15 @@ def probe_features(trainer: pl.Trainer, pl_module: pl.LightningModule, spec: Pro
     )
     if len(train) == 0:
         raise ValueError(f"labelled train set {spec.train_data!r} yielded no samples")
-    result = ProbeFeatures(train, val, num_classes_of(spec.train_data, spec.val_data, train.labels))
+    def reduce(t: Tensor) -> Tensor:
+        gathered = pl_module.all_gather(t.to(pl_module.device)).cpu()
+        return gathered.reshape(-1, *t.shape).sum(dim=0)
+
+    val_skipped = int(reduce(torch.tensor(val.skipped)))
+    num_classes = num_classes_of(spec.train_data, spec.val_data, train.labels)
+    check_labels(train.labels, num_classes, spec.train_data, "probe", lambda t: t)  # gathered: same everywhere
+    check_labels(val.labels, num_classes, spec.val_data, "probe", reduce)
+    result = ProbeFeatures(train, val, num_classes, train.skipped + val_skipped)
     _cache[key + (spec,)] = result
     return result
 

@@ -83,16 +83,32 @@ def zero_shot_evaluate(
         context: precision context entered around forwards.
 
     Returns:
-        ``{"top1": ..., "top5": ...}`` and ``"num_samples"`` (all ranks).
+        ``{"top1": ..., "top5": ...}``, ``"num_samples"`` and ``"skipped"`` (all ranks).
     """
     metrics = zero_shot_metrics(len(classnames), device)
     count = SumMetric().to(device)  # samples seen, summed over ranks like the accuracies
+    skipped = SumMetric().to(device)  # unreadable samples left out, likewise
+    # Labels outside the class list are counted, not fed to the metrics (which would raise on
+    # this rank alone and leave the others waiting in the reduction); every rank raises below.
+    bad_labels = SumMetric().to(device)
     with frozen_eval(model), context():
         classifier = build_zero_shot_classifier(model.encode_text, model.tokenizer, classnames, templates, device)
         for batch in batches:
+            skipped.update(torch.tensor(float(batch.get("skipped", 0)), device=device))
+            if len(batch["label"]) == 0:  # a batch that only reports skipped samples
+                continue
             features = F.normalize(model.encode_image(batch["image"].to(device)).float(), dim=-1)
             logits = features @ classifier  # (B, C)
+            labels = batch["label"].to(device)
+            bad = ((labels < 0) | (labels >= len(classnames))).sum()
+            bad_labels.update(bad.float())
+            if int(bad):
+                continue
             for metric in metrics.values():
-                metric.update(logits, batch["label"].to(device))
+                metric.update(logits, labels)
             count.update(torch.tensor(float(batch["label"].shape[0]), device=device))
-    return {**{k: m.compute() for k, m in metrics.items()}, "num_samples": count.compute()}
+    if int(bad_labels.compute()):
+        raise ValueError(f"zero-shot: {int(bad_labels.compute())} labels outside [0, {len(classnames)}) "
+                         f"({len(classnames)} class names); check the set's cls values and classnames.txt")
+    return {**{k: m.compute() for k, m in metrics.items()}, "num_samples": count.compute(),
+            "skipped": skipped.compute()}

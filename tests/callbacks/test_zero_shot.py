@@ -38,8 +38,9 @@ class AgreeingCLIP(nn.Module):
         return F.one_hot(tokens, len(CLASSNAMES)).float()
 
 
-def write_set(folder, wrong_in_second_shard: int = 0) -> str:
-    """Two shards of 8 constant-gray images (2 per class); optionally some wrong labels."""
+def write_set(folder, wrong_in_second_shard: int = 0, out_of_range: bool = False) -> str:
+    """Two shards of 8 constant-gray images (2 per class); optionally some wrong labels, or (in
+    the second shard only, so rank 1 alone holds it) one label beyond the class list."""
     os.makedirs(folder, exist_ok=True)
     for shard in range(2):
         with tarfile.open(os.path.join(folder, f"{shard:05d}.tar"), "w") as tar:
@@ -49,6 +50,8 @@ def write_set(folder, wrong_in_second_shard: int = 0) -> str:
                 Image.new("RGB", (8, 8), (int(255 * LEVELS[label]),) * 3).save(buf, format="PNG")
                 if shard == 1 and i < wrong_in_second_shard:
                     label = (label + 1) % 4
+                if shard == 1 and i == 0 and out_of_range:
+                    label = len(CLASSNAMES)
                 for ext, data in (("png", buf.getvalue()), ("cls", str(label).encode())):
                     info = tarfile.TarInfo(f"{shard}_{i:03d}.{ext}")
                     info.size = len(data)
@@ -83,6 +86,11 @@ def _worker(rank: int, port: int, clean: str, noisy: str, out: str) -> None:
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     results = {"clean": _score(clean, rank, 2), "noisy": _score(noisy, rank, 2)}
+    try:  # a label out of range on rank 1 only: every rank must raise, none may wait
+        _score(os.path.join(out, "out_of_range"), rank, 2)
+        results["out_of_range"] = None
+    except ValueError as err:
+        results["out_of_range"] = str(err)
 
     def all_gather(t):
         parts = [torch.empty_like(t) for _ in range(2)]
@@ -101,6 +109,7 @@ def _worker(rank: int, port: int, clean: str, noisy: str, out: str) -> None:
 def test_two_ranks_give_the_one_rank_figures(tmp_path):
     clean = write_set(str(tmp_path / "clean"))
     noisy = write_set(str(tmp_path / "noisy"), wrong_in_second_shard=4)
+    write_set(str(tmp_path / "out_of_range"), out_of_range=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -108,7 +117,8 @@ def test_two_ranks_give_the_one_rank_figures(tmp_path):
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         # Rank 1 alone would score 0.5 on the noisy set: the figure is reduced over both ranks.
-        assert results["clean"] == {"top1": 1.0, "num_samples": 16.0}
+        assert results["clean"] == {"top1": 1.0, "num_samples": 16.0, "skipped": 0.0}
         assert results["noisy"]["top1"] == pytest.approx(_score(noisy)["top1"]) == pytest.approx(0.75)
         assert results["noisy"]["num_samples"] == 16
         assert results["gathered"] == [3, [(3, 2), (3, 5)], [0, 1, 2]]
+        assert "1 labels outside [0, 4)" in results["out_of_range"]

@@ -1,0 +1,60 @@
+"""Run the real ``mmssl`` command in a subprocess under a hard timeout that also kills its ranks.
+
+Lightning's DDP launcher starts ranks 1..N-1 as children of rank 0; ``subprocess.run(timeout=)``
+would kill rank 0 alone and leave a hung child holding the test. Each run gets its own session,
+and the whole process group is killed when the time is up, so a hang fails the test, never CI.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+# A desynchronised collective must fail fast: the process-group timeout of test runs.
+PG_TIMEOUT = "--trainer.strategy.init_args.timeout=0:01:00"
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1", **extra}
+
+
+def run_mmssl(args: list[str], cwd: Path, timeout: float = 300, env: Optional[dict] = None,
+              launcher: Optional[list[str]] = None) -> subprocess.CompletedProcess:
+    """``python -m mmssl ARGS`` (or ``LAUNCHER -m mmssl ARGS``); the process group dies at ``timeout``.
+
+    Returns:
+        The completed process, stdout and stderr merged into ``stdout``.
+
+    Raises:
+        AssertionError: the run did not end within ``timeout`` seconds (it was killed).
+    """
+    command = [sys.executable, *(launcher or []), "-m", "mmssl", *args]
+    proc = subprocess.Popen(command, cwd=cwd, env=env or cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"mmssl {' '.join(args[:3])} ... hung for {timeout:.0f} s; output tail:\n{out[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # ranks left behind by a failed rank 0
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(command, proc.returncode, out, "")
+
+
+def last_metrics(run_dir: Path, prefixes: tuple[str, ...] = ("val/", "probe/")) -> dict[str, float]:
+    """The last logged value of every ``metrics.csv`` column starting with one of ``prefixes``."""
+    out: dict[str, float] = {}
+    with open(run_dir / "metrics.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            out.update({k: float(v) for k, v in row.items() if v not in ("", None) and k.startswith(prefixes)})
+    return out
