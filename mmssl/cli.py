@@ -6,15 +6,20 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import re
-from typing import Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
+from mmssl.callbacks.rng_state import RNGState
 from mmssl.callbacks.summary import RunSummary
 
 
@@ -64,16 +69,24 @@ class MMSSLCLI(LightningCLI):
         parser.add_lightning_class_args(NonFiniteGuard, "nonfinite_guard")
         # Always on: no DDP buffer broadcast in evaluation forwards (ranks' batch counts differ).
         parser.add_lightning_class_args(EvaluationBufferSync, "evaluation_buffer_sync")
+        # Always on: every rank's RNG states in each checkpoint, restored on resume.
+        parser.add_lightning_class_args(RNGState, "rng_state")
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         config = self._get(self.config_init, "trainer", default={})
         if config.get("logger") in (None, True) and "logger" not in kwargs:
             # Resuming (`--ckpt_path last`, or a SLURM requeue) continues in the latest run folder,
             # where its checkpoints are; a fresh run opens the next version_N.
-            resume = self._get(self.config_init, "ckpt_path") in ("last", "hpc") or (
-                os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
-            )
-            kwargs["logger"] = default_loggers(config.get("default_root_dir") or "runs", resume)
+            root = config.get("default_root_dir") or "runs"
+            ckpt_path = self._get(self.config_init, "ckpt_path")
+            requeued = os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
+            resume = ckpt_path in ("last", "hpc") or requeued
+            resume_step = None
+            if resume:
+                version = latest_version(root)
+                found = resume_checkpoint(root, version, "hpc" if requeued and ckpt_path is None else ckpt_path)
+                resume_step = checkpoint_step(found) if found else 0
+            kwargs["logger"] = default_loggers(root, resume, resume_step)
         return super().instantiate_trainer(**kwargs)
 
 
@@ -83,24 +96,109 @@ def latest_version(root: str) -> Optional[int]:
     return max(found) if found else None
 
 
-def default_loggers(root: str, resume: bool = False) -> list:
+def resume_checkpoint(root: str, version: Optional[int], ckpt_path: Optional[str]) -> Optional[str]:
+    """The file Lightning resumes from for ``ckpt_path`` in mmssl's run-folder layout, if any.
+
+    ``last``: the newest ``last*.ckpt`` in ``{root}/version_N/checkpoints`` (where the first
+    logger puts ``ModelCheckpoint``'s files); ``hpc``: ``{root}/hpc_ckpt_{highest}.ckpt``, as
+    Lightning's SLURM handler names them; any other value is a path, returned when it exists.
+    """
+    if ckpt_path == "hpc":
+        found = [int(m.group(1)) for f in os.listdir(root) if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", f))] if os.path.isdir(root) else []
+        return os.path.join(root, f"hpc_ckpt_{max(found)}.ckpt") if found else None
+    if ckpt_path == "last":
+        folder = os.path.join(root, f"version_{version}", "checkpoints")
+        last = [os.path.join(folder, f) for f in os.listdir(folder) if re.fullmatch(r"last.*\.ckpt", f)] if version is not None and os.path.isdir(folder) else []
+        return max(last, key=os.path.getmtime) if last else None
+    return ckpt_path if ckpt_path and os.path.isfile(ckpt_path) else None
+
+
+def checkpoint_step(path: str) -> int:
+    """``global_step`` of a Lightning checkpoint (memory-mapped: the weights are not read)."""
+    return int(torch.load(path, map_location="cpu", mmap=True, weights_only=True)["global_step"])
+
+
+def default_loggers(root: str, resume: bool = False, resume_step: Optional[int] = None) -> list:
     """TensorBoard and CSV loggers writing into one run folder, ``{root}/version_N``.
 
     Each logger would pick the next free ``version_N`` on its own, and they can disagree (the
     first creates its folder before the second looks), so the CSV logger takes TensorBoard's.
     Checkpoints and the saved config follow the first logger, so a run is one folder.
 
+    A resumed run continues its folder's logs from the checkpoint's step: Lightning logs the
+    metrics of the step that makes ``global_step`` ``k`` at step ``k - 1``, so what the killed run
+    logged at steps ``>= k`` is redone, and logged again, by the resumed run. ``metrics.csv`` keeps
+    its rows before ``k`` (:class:`ContinuedCSVLogger`); TensorBoard's ``purge_step=k`` hides the
+    events at steps ``>= k`` of the earlier event files, so each curve is continuous.
+
     Args:
         root: the folder of run folders (``trainer.default_root_dir``).
         resume: reuse the latest ``version_N`` (its ``checkpoints/last.ckpt`` is what
             ``--ckpt_path last`` finds) instead of opening a new one.
+        resume_step: ``global_step`` of the checkpoint the run resumes from (0 when there is
+            none: the run starts again in the same folder); ``None`` for a fresh run.
 
     Returns:
         ``[TensorBoardLogger, CSVLogger]``.
     """
     version = latest_version(root) if resume else None
-    tensorboard = TensorBoardLogger(save_dir=root, name="", version=version)
-    return [tensorboard, CSVLogger(save_dir=root, name="", version=tensorboard.version)]
+    continued = resume and version is not None and resume_step is not None
+    # On resume, no second placeholder ``hp_metric`` at step 0 (Lightning logs one per run).
+    purge = {"purge_step": resume_step, "default_hp_metric": False} if continued else {}
+    tensorboard = TensorBoardLogger(save_dir=root, name="", version=version, **purge)
+    csv = ContinuedCSVLogger(save_dir=root, name="", version=tensorboard.version,
+                             resume_step=resume_step if continued else None)
+    return [tensorboard, csv]
+
+
+class _ContinuedWriter(ExperimentWriter):
+    """Lightning's CSV writer, keeping the rows of ``metrics.csv`` logged before ``resume_step``.
+
+    Lightning's writer deletes an existing ``metrics.csv``; this one rewrites it with the rows at
+    steps ``< resume_step`` and appends after them. Its header becomes the known keys, so a key
+    first logged after the resume rewrites the file with the union of both runs' keys.
+    """
+
+    def __init__(self, log_dir: str, resume_step: int) -> None:
+        self.resume_step = resume_step
+        super().__init__(log_dir)
+
+    def _check_log_dir_exists(self) -> None:  # called by __init__ instead of deleting the file
+        if not self._fs.isfile(self.metrics_file_path):
+            return
+        with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+            reader = csv.DictReader(file)
+            keys = list(reader.fieldnames or [])
+            rows = [row for row in reader if row.get("step") and int(row["step"]) < self.resume_step]
+        with self._fs.open(self.metrics_file_path, "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=keys)
+            writer.writeheader()
+            writer.writerows(rows)
+        self.metrics_keys = keys
+
+
+class ContinuedCSVLogger(CSVLogger):
+    """``CSVLogger`` that, given ``resume_step``, continues the run folder's ``metrics.csv``.
+
+    Args:
+        resume_step: ``global_step`` of the checkpoint being resumed: rows logged at this step
+            or later (by the run that was interrupted) are dropped, earlier rows kept, new rows
+            appended. ``None``: a fresh log, as ``CSVLogger``.
+        **kwargs: ``CSVLogger`` arguments.
+    """
+
+    def __init__(self, *args: Any, resume_step: Optional[int] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resume_step = resume_step
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = (ExperimentWriter(self.log_dir) if self.resume_step is None
+                                else _ContinuedWriter(self.log_dir, self.resume_step))
+        return self._experiment
 
 
 def cli_main(args: Optional[list[str]] = None) -> MMSSLCLI:

@@ -1,48 +1,269 @@
-"""Preemption: a run killed with SIGKILL resumes from its last periodic checkpoint."""
+"""Preemption: a SIGKILLed run resumed with ``--ckpt_path last`` ends as if it had never stopped.
 
+Every run goes through the real CLI. Killed runs are subprocesses (a real SIGKILL, no clean-up);
+single-process references and resumes run in this process (``main([...])``) to save the ~10 s
+import of a fresh interpreter. Settings that keep the runs exact today, and why:
+
+- ``image_mask_ratio=0.5``: FLIP masks come from the global torch RNG of the training process,
+  so the final weights depend on :class:`~mmssl.callbacks.RNGState` restoring it.
+- ``crop_scale=[0.5, 1]``, ``hflip``: random crops and flips, drawn per sample from
+  (seed, epoch, sample) by the data stream, so a resumed worker crops as the original did.
+- ``max_epochs=-1`` (with ``max_steps``): otherwise the models' ``estimated_stepping_batches``
+  makes Lightning open the training iterator before it restores the loops, at epoch 0, and the
+  data position of a later epoch is discarded (see the epoch-boundary test).
+"""
+
+from __future__ import annotations
+
+import csv
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
+from mmssl.callbacks.rng_state import RNGState, collect_rng_states, set_rng_states
+from mmssl.cli import main
+
 REPO = Path(__file__).resolve().parents[1]
+MICRO_CLIP = str(REPO / "configs" / "models" / "clip_micro.json")
 
 
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: list[str], cwd: Path, timeout: float, ranks: int = 1) -> list[subprocess.CompletedProcess]:
+    """``python -m mmssl ARGS`` as ``ranks`` processes started together, as a launcher would (with
+    ``LOCAL_RANK`` etc. set, Lightning starts no process of its own), each in its own process
+    group; all are killed if they outlive ``timeout`` seconds, so a hang fails instead of blocking."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "mmssl", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    if ranks > 1:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
+    procs = [subprocess.Popen([sys.executable, "-m", "mmssl", *args], cwd=cwd, text=True,
+                              env={**env, **({"LOCAL_RANK": str(rank)} if ranks > 1 else {})},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+             for rank in range(ranks)]
+    deadline, outputs = time.monotonic() + timeout, []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"mmssl {args[0]} on {ranks} process(es) did not finish in {timeout} s (hang?)")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs)]
 
 
-def test_sigkilled_run_resumes_with_schedule_and_step_count(tmp_path, tiny_demo, tiny_clip_json):
+def _config(tmp_path: Path, root: Path, demo_root: str, batch_size: int, workers: int, max_steps: int) -> list[str]:
+    """CLI arguments of the demo CLIP recipe shrunk to seconds, checkpointing every step."""
     overrides = {
         "trainer": {
-            "max_steps": 8, "limit_val_batches": 0, "enable_progress_bar": False,
-            "default_root_dir": str(tmp_path / "runs"),
-            "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                           "init_args": {"every_n_train_steps": 2, "save_last": True}}],
+            "max_steps": max_steps, "max_epochs": -1, "log_every_n_steps": 1, "enable_progress_bar": False,
+            "default_root_dir": str(root),
+            "callbacks": [
+                {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                 "init_args": {"every_n_train_steps": 1, "save_last": True, "save_top_k": 0}},
+                # Keeps the epoch-boundary checkpoints (8 steps an epoch on one process).
+                {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                 "init_args": {"every_n_train_steps": 8, "save_top_k": -1, "dirpath": str(root / "boundary")}},
+                {"class_path": "tests.helpers.DumpParams", "init_args": {"folder": str(root / "params")}},
+            ],
         },
-        "model": {"init_args": {"model_name": tiny_clip_json, "warmup_steps": 2}},
-        "data": {"init_args": {"demo_dir": tiny_demo.root, "batch_size": 8, "num_workers": 0}},
+        "model": {"init_args": {"model_name": MICRO_CLIP, "warmup_steps": 2, "image_mask_ratio": 0.5}},
+        "data": {"init_args": {"demo_dir": demo_root, "batch_size": batch_size, "num_workers": workers,
+                               "crop_scale": [0.5, 1.0], "hflip": True}},
     }
-    cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump(overrides))
-    base = ["fit", "--config", str(REPO / "configs/demo/clip.yaml"), "--config", str(cfg)]
+    path = tmp_path / f"{root.name}.yaml"
+    path.write_text(yaml.safe_dump(overrides))
+    return ["fit", "--config", str(REPO / "configs/demo/clip.yaml"), "--config", str(path)]
 
-    killed = _run([*base, "--trainer.callbacks+=helpers.KillAtStep", "--trainer.callbacks.step=5"], tmp_path)
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    last = tmp_path / "runs" / "version_0" / "checkpoints" / "last.ckpt"
-    assert torch.load(last, weights_only=False)["global_step"] == 4  # the last periodic save
 
-    resumed = _run([*base, "--ckpt_path=last"], tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert not (tmp_path / "runs" / "version_1").exists()  # continued in the same run folder
-    ckpt = torch.load(last, weights_only=False)
-    assert ckpt["global_step"] == 8
-    # The LR schedule continued from step 4 instead of restarting its warm-up at 0.
-    scheduler = ckpt["lr_schedulers"][0]
-    assert scheduler["last_epoch"] == 8 and scheduler["_step_count"] == 9  # 1 + 8 steps, not 1 + 4
-    assert "Restoring states from the checkpoint" in resumed.stdout + resumed.stderr
+def _kill_at(step: int) -> list[str]:
+    return ["--trainer.callbacks+=tests.helpers.KillAtStep", f"--trainer.callbacks.step={step}"]
+
+
+def _assert_same_params(root: Path, reference: Path, ranks: int = 1) -> None:
+    for rank in range(ranks):
+        got = torch.load(root / "params" / f"rank{rank}.pt", weights_only=True)
+        want = torch.load(reference / "params" / f"rank{rank}.pt", weights_only=True)
+        assert got.keys() == want.keys()
+        differ = {k: (got[k] - want[k]).abs().max().item() for k in want if not torch.equal(got[k], want[k])}
+        assert not differ, f"rank {rank}: parameters differ from the uninterrupted run: {differ}"
+
+
+def _csv_entries(run: Path) -> Counter:
+    """(step, key, value) of every logged value in ``metrics.csv``, counted."""
+    with open(run / "metrics.csv", newline="") as f:
+        return Counter((int(row["step"]), key, value) for row in csv.DictReader(f)
+                       for key, value in row.items() if key not in ("step", "epoch") and value != "")
+
+
+def _tensorboard_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each scalar tag's (step, value) events as TensorBoard shows them (purged events hidden)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run), purge_orphaned_data=True)
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def _assert_same_logs(run: Path, reference: Path) -> None:
+    """``metrics.csv`` holds each logged value once, as in the uninterrupted run, and so does
+    TensorBoard: one curve per tag, the earlier run's events after the resume step purged."""
+    got, want = _csv_entries(run), _csv_entries(reference)
+    assert max(got.values()) == 1, [k for k, n in got.items() if n > 1][:5]
+    assert got == want, (sorted(set(want) - set(got))[:5], sorted(set(got) - set(want))[:5])
+    assert _tensorboard_scalars(run) == _tensorboard_scalars(reference)
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, tiny_demo) -> dict:
+    """An uninterrupted run and a run SIGKILLed at step 11 (8 steps an epoch: batch 3 of epoch 1).
+
+    Returns ``{"args": root -> CLI args, "reference": Path, "killed": Path, "boundary": Path}``;
+    ``boundary`` is a copy of the killed run folder whose newest checkpoint (``last.ckpt``) is the
+    end of epoch 0, as if the kill had come after that checkpoint.
+    """
+    tmp_path = tmp_path_factory.mktemp("resume")
+    torch.set_num_threads(1)  # as in the killed subprocess (OMP_NUM_THREADS=1): same float sums
+
+    def args(root: Path) -> list[str]:  # 64 samples, batch 8: 8 steps an epoch; validation on
+        return _config(tmp_path, root, tiny_demo.root, batch_size=8, workers=2, max_steps=13)
+
+    reference, killed, boundary = tmp_path / "uninterrupted", tmp_path / "killed", tmp_path / "boundary"
+    main(args(reference))
+    [out] = _launch([*args(killed), *_kill_at(11)], tmp_path, timeout=150)
+    assert out.returncode == -signal.SIGKILL, out.stdout[-3000:]
+    assert torch.load(_last(killed), weights_only=True)["global_step"] == 10  # step 11 died before its save
+    shutil.copytree(killed, boundary)
+    shutil.copy(boundary / "boundary" / "epoch=0-step=8.ckpt", _last(boundary))
+    return {"args": args, "reference": reference, "killed": killed, "boundary": boundary}
+
+
+def _last(root: Path) -> Path:
+    return root / "version_0" / "checkpoints" / "last.ckpt"
+
+
+def _position(root: Path) -> dict:
+    return torch.load(_last(root), weights_only=True)["ImageTextDataModule"]["position"]
+
+
+def test_sigkilled_run_resumes_mid_epoch_exactly(single):
+    killed, reference = single["killed"], single["reference"]
+    main([*single["args"](killed), "--ckpt_path=last"])
+    assert not (killed / "version_1").exists()  # continued in the same run folder
+    ckpt = torch.load(_last(killed), weights_only=True)
+    assert ckpt["global_step"] == 13 and ckpt["epoch"] == 1
+    assert ckpt["lr_schedulers"][0]["last_epoch"] == 13  # the schedule continued, not restarted
+    assert _position(killed) == _position(reference)  # the data stream agrees with the step count
+    _assert_same_params(killed, reference)
+    _assert_same_logs(killed / "version_0", reference / "version_0")
+
+
+@pytest.fixture(scope="module")
+def boundary_resumed(single) -> Path:
+    """The epoch-boundary copy of the killed run, resumed to the end."""
+    main([*single["args"](single["boundary"]), "--ckpt_path=last"])
+    return single["boundary"]
+
+
+def test_run_resumed_at_epoch_boundary_logs_each_step_once(single, boundary_resumed):
+    boundary, reference = boundary_resumed, single["reference"]
+    got, want = _csv_entries(boundary / "version_0"), _csv_entries(reference / "version_0")
+    assert max(got.values()) == 1
+    # Validation of epoch 0 ran after the step-8 checkpoint and is not repeated: its rows (at
+    # step 7) are kept; the killed run's rows of steps 8-10 were dropped and logged again.
+    assert {(step, key) for step, key, _ in got} == {(step, key) for step, key, _ in want}
+    scalars, reference_scalars = _tensorboard_scalars(boundary / "version_0"), _tensorboard_scalars(reference / "version_0")
+    assert {tag: [s for s, _ in events] for tag, events in scalars.items()} == {
+        tag: [s for s, _ in events] for tag, events in reference_scalars.items()}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "mmssl.data.state.EpochLoader opens the resumed stream with Lightning's current_epoch before "
+    "Lightning has moved past the finished epoch 0, so epoch 0's batches are read again as epoch 1; "
+    "and each DataLoader iterator draws its worker seed from the global torch RNG"))
+def test_run_resumed_at_epoch_boundary_is_exact(single, boundary_resumed):
+    boundary, reference = boundary_resumed, single["reference"]
+    assert _position(boundary) == _position(reference)
+    _assert_same_params(boundary, reference)
+
+
+def test_two_process_run_resumes_mid_epoch_exactly(tmp_path, tiny_demo):
+    # 2 ranks x 1 worker, batch 8: 4 steps an epoch; validation after epoch 0, as in a real run.
+    def args(root: Path) -> list[str]:
+        return [*_config(tmp_path, root, tiny_demo.root, batch_size=8, workers=1, max_steps=7),
+                "--config", str(REPO / "configs/trainer/ddp_cpu.yaml")]
+
+    reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    for out in _launch(args(reference), tmp_path, timeout=150, ranks=2):
+        assert out.returncode == 0, out.stdout[-3000:]
+    for out in _launch([*args(killed), *_kill_at(6)], tmp_path, timeout=150, ranks=2):
+        assert out.returncode == -signal.SIGKILL, out.stdout[-3000:]
+    ckpt = torch.load(_last(killed), weights_only=True)
+    assert ckpt["global_step"] == 5 and ckpt["callbacks"]["RNGState"]["torch"].shape[0] == 2  # both ranks'
+    for out in _launch([*args(killed), "--ckpt_path=last"], tmp_path, timeout=150, ranks=2):
+        assert out.returncode == 0, out.stdout[-3000:]
+    assert _position(killed) == _position(reference)
+    _assert_same_params(killed, reference, ranks=2)
+    _assert_same_logs(killed / "version_0", reference / "version_0")
+
+
+class _Trainer:
+    """The attributes of a trainer that RNGState reads on resume."""
+
+    def __init__(self, world_size: int, global_rank: int, global_step: int = 10) -> None:
+        self.world_size, self.global_rank, self.global_step = world_size, global_rank, global_step
+
+
+def test_rng_state_restores_this_ranks_stream():
+    callback = RNGState()
+    torch.manual_seed(1)
+    rank0 = collect_rng_states()
+    torch.manual_seed(2)
+    rank1 = collect_rng_states()
+    want = torch.rand(3)
+    saved = {name: torch.stack([rank0[name], rank1[name]]) for name in rank0}
+    callback.load_state_dict(saved)
+    torch.manual_seed(3)
+    callback.on_train_start(_Trainer(world_size=2, global_rank=1), None)
+    assert torch.equal(torch.rand(3), want)
+
+
+def test_rng_state_on_another_world_size_warns_and_reseeds_deterministically():
+    torch.manual_seed(0)
+    saved = {name: state.unsqueeze(0) for name, state in collect_rng_states().items()}
+    draws = []
+    for _ in range(2):
+        callback = RNGState()
+        callback.load_state_dict(saved)
+        torch.manual_seed(0)
+        with pytest.warns(UserWarning, match="random states of 1 ranks, this run has 2"):
+            callback.on_train_start(_Trainer(world_size=2, global_rank=1), None)
+        draws.append(torch.rand(3))
+    assert torch.equal(draws[0], draws[1])
+
+
+def test_collected_states_round_trip_python_and_numpy():
+    import random
+
+    import numpy as np
+
+    states = collect_rng_states()
+    want = (random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn(), torch.rand(1))
+    set_rng_states(states)
+    assert (random.random(), random.gauss(0, 1), np.random.rand(), np.random.randn(), torch.rand(1)) == want
