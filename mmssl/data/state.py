@@ -178,13 +178,16 @@ class EpochLoader(DataLoader):
         if position is not None:
             # A resumed epoch has its own length (an elastic resume changes it): set it before
             # the trainer asks for ``len``.
-            run = position.continues(position.epoch, dataset.spec)
+            run = position.continues(self._next_epoch(), dataset.spec)
             if run is not None:
                 dataset.set_run(run)
 
-    def __iter__(self):
+    def _next_epoch(self) -> int:
         epoch = self.epoch_fn() if self.epoch_fn is not None else None
-        epoch = self._calls if epoch is None else epoch
+        return self._calls if epoch is None else epoch
+
+    def __iter__(self):
+        epoch = self._next_epoch()
         self._calls += 1
         spec = self.dataset.spec
         self.dataset.set_run(self.position.start(epoch, spec) if self.position is not None else EpochRun(epoch))

@@ -112,6 +112,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         self.eval_data: Optional[str] = None  # labelled held-out folder, set in demo mode
         self.position = StreamPosition()
         self._loaded: Optional[dict[str, Any]] = None  # a checkpoint's position, applied with the stream
+        self._reload_setting: Optional[int] = None  # the trainer's, while an elastic epoch makes it reload
 
     def prepare_data(self) -> None:
         if self.train_data is None:
@@ -202,10 +203,14 @@ class ImageTextDataModule(pl.LightningDataModule):
         loader = EpochLoader(stream, self._current_epoch, self.position, num_workers=self.num_workers,
                              pin_memory=torch.cuda.is_available())
         trainer = self.trainer
-        if trainer is not None and len(loader) != stream.spec.rank_batches and not trainer.reload_dataloaders_every_n_epochs:
-            # An elastic resume gives the resumed epoch its own length; the trainer reads a loader's
-            # length once unless it reloads it, so reload every epoch for the next ones to be whole.
-            trainer.reload_dataloaders_every_n_epochs = 1
+        if trainer is not None:
+            # An elastic resume gives the resumed epoch its own length, and the trainer reads a
+            # loader's length only when it loads it: reload for the next epoch, whose length is whole.
+            if len(loader) != stream.spec.rank_batches and not trainer.reload_dataloaders_every_n_epochs:
+                self._reload_setting = trainer.reload_dataloaders_every_n_epochs
+                trainer.reload_dataloaders_every_n_epochs = 1
+            elif len(loader) == stream.spec.rank_batches and self._reload_setting is not None:
+                trainer.reload_dataloaders_every_n_epochs, self._reload_setting = self._reload_setting, None
         return loader
 
     def val_dataloader(self) -> Union[EpochLoader, list]:

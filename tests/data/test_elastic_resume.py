@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 import logging
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from PIL import Image
 from shard_helpers import count_tokenizer, write_dataset, write_tar
 
@@ -215,3 +217,38 @@ def test_positions_that_cannot_continue_exactly_restart_the_epoch_with_a_warning
     with pytest.warns(UserWarning, match="data.seed=0, this run has data.seed=1"):
         module.load_state_dict(state)
     assert module.position.epoch == -1
+
+
+class _Recorder(pl.LightningModule):
+    """A one-parameter model that records, per epoch, the labels of every batch it trains on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.seen: dict[int, list[int]] = {}
+
+    def training_step(self, batch, batch_idx):
+        self.seen.setdefault(self.current_epoch, []).extend(batch["label"].tolist())
+        return (self.weight - batch["image"].mean()) ** 2
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_elastic_resume_through_the_trainer_finishes_the_epoch_then_runs_whole_ones(tmp_path):
+    every = write_dataset(tmp_path / "d", SIZES)
+    data = str(tmp_path / "d")
+    common = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                  default_root_dir=str(tmp_path))
+    first = _Recorder()
+    save = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_last=True)
+    pl.Trainer(max_steps=5, callbacks=[save], **common).fit(first, datamodule=_module(data, 2, batch_size=4))
+    resumed = _Recorder()  # saved on 2 workers x batch 4, resumed on 1 (num_workers=0) x batch 3
+    trainer = pl.Trainer(max_epochs=3, **common)
+    trainer.fit(resumed, datamodule=_module(data, 0, batch_size=3), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    epoch0 = first.seen[0] + resumed.seen[0]
+    assert len(first.seen[0]) == 20 and len(resumed.seen[0]) == 42  # 44 remained: 14 batches, 2 left out
+    assert len(set(epoch0)) == len(epoch0) == 62  # the rest of epoch 0, once
+    for epoch in (1, 2):  # then whole epochs of 21 batches (the trainer reloaded the loader's length)
+        assert len(resumed.seen[epoch]) == len(set(resumed.seen[epoch])) == 63 and set(resumed.seen[epoch]) <= set(every)
+    assert trainer.global_step == 5 + 14 + 21 + 21
