@@ -252,3 +252,18 @@ def test_an_elastic_resume_through_the_trainer_finishes_the_epoch_then_runs_whol
     for epoch in (1, 2):  # then whole epochs of 21 batches (the trainer reloaded the loader's length)
         assert len(resumed.seen[epoch]) == len(set(resumed.seen[epoch])) == 63 and set(resumed.seen[epoch]) <= set(every)
     assert trainer.global_step == 5 + 14 + 21 + 21
+
+
+def test_a_same_topology_resume_through_the_trainer_sees_the_uninterrupted_batches(tmp_path):
+    write_dataset(tmp_path / "d", SIZES)
+    data = str(tmp_path / "d")
+    common = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                  default_root_dir=str(tmp_path))
+    whole = _Recorder()
+    pl.Trainer(max_epochs=2, **common).fit(whole, datamodule=_module(data, 2, batch_size=4))
+    first, resumed = _Recorder(), _Recorder()
+    save = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_last=True)
+    pl.Trainer(max_steps=5, callbacks=[save], **common).fit(first, datamodule=_module(data, 2, batch_size=4))
+    pl.Trainer(max_epochs=2, **common).fit(resumed, datamodule=_module(data, 2, batch_size=4),
+                                           ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert first.seen[0] + resumed.seen[0] == whole.seen[0] and resumed.seen[1] == whole.seen[1]
