@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
@@ -46,6 +47,7 @@ class StreamPosition:
         self.raw: list[int] = []
         self.skipped = 0
         self.samples: Optional[int] = None
+        self.resumed = False  # loaded from a checkpoint, no epoch started since
         self._plan: Optional[tuple[tuple, EpochPlan]] = None
 
     def _plan_of(self, epoch: int, spec: StreamSpec) -> EpochPlan:
@@ -74,16 +76,31 @@ class StreamPosition:
         return EpochRun(epoch, plan, len(self.history), self.offset, served % spec.workers,
                         {w: (self.batches[w], self.raw[w]) for w in range(spec.workers)})
 
+    def epoch_to_read(self, epoch: int, spec: StreamSpec) -> int:
+        """The epoch a loader opened for the trainer's ``epoch`` reads.
+
+        Resumed from a checkpoint written after the last batch of an epoch, Lightning opens the
+        loader while its ``current_epoch`` still names that finished epoch, and trains the next
+        epoch from that iterator: the stream must then be the next epoch's.
+        """
+        if not self.resumed or epoch != self.epoch or self.topology != spec.topology:
+            return epoch
+        served = sum(self.batches)
+        full = self._plan_of(epoch, spec).rank_batches if spec.exact else (spec.rank_batches or 0)
+        return epoch + 1 if 0 < served >= full else epoch
+
     def start(self, epoch: int, spec: StreamSpec) -> EpochRun:
         """Begin iterating ``epoch``: continue it if the position is inside it, else start afresh.
 
         Args:
-            epoch: epoch about to be read.
+            epoch: the trainer's epoch (see :meth:`epoch_to_read`).
             spec: this rank's stream.
 
         Returns:
             The run for :meth:`ShardStream.set_run`.
         """
+        epoch = self.epoch_to_read(epoch, spec)
+        self.resumed = False
         run = self.continues(epoch, spec)
         if run is not None:
             return run
@@ -119,7 +136,7 @@ class StreamPosition:
         Where the rest of the epoch cannot be read exactly (resampled mode on another topology, a
         checkpoint without its topology, shards of another size), the epoch restarts with a warning.
         """
-        self.skipped = int(state.get("skipped", 0))
+        self.skipped, self.resumed = int(state.get("skipped", 0)), True
         self.epoch, self.batches, self.raw, self.offset = int(state["epoch"]), [], [], 0
         self.topology, self.history = None, []
         raw, batches = state.get("raw", []), list(state.get("batches", []))
@@ -173,12 +190,16 @@ class EpochLoader(DataLoader):
         position: Optional[StreamPosition] = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(dataset, batch_size=None, persistent_workers=False, **kwargs)
+        # Worker seeds come from this generator, re-seeded from (seed, epoch) at each ``iter``: a
+        # DataLoader draws them from the global torch RNG otherwise, so opening a loader would
+        # move the model's random stream (masks, dropout) by a step that a resumed run does not take.
+        super().__init__(dataset, batch_size=None, persistent_workers=False, generator=torch.Generator(), **kwargs)
         self.epoch_fn, self.position, self._calls = epoch_fn, position, 0
         if position is not None:
             # A resumed epoch has its own length (an elastic resume changes it): set it before
             # the trainer asks for ``len``.
-            run = position.continues(self._next_epoch(), dataset.spec)
+            epoch = position.epoch_to_read(self._next_epoch(), dataset.spec)
+            run = position.continues(epoch, dataset.spec)
             if run is not None:
                 dataset.set_run(run)
 
@@ -190,7 +211,9 @@ class EpochLoader(DataLoader):
         epoch = self._next_epoch()
         self._calls += 1
         spec = self.dataset.spec
-        self.dataset.set_run(self.position.start(epoch, spec) if self.position is not None else EpochRun(epoch))
+        run = self.position.start(epoch, spec) if self.position is not None else EpochRun(epoch)
+        self.dataset.set_run(run)
+        self.generator.manual_seed(spec.seed * 1_000_003 + run.epoch)
         return super().__iter__()
 
     # Lightning warns that a loader without these cannot resume mid-epoch; the position is

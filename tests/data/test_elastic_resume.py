@@ -267,3 +267,23 @@ def test_a_same_topology_resume_through_the_trainer_sees_the_uninterrupted_batch
     pl.Trainer(max_epochs=2, **common).fit(resumed, datamodule=_module(data, 2, batch_size=4),
                                            ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert first.seen[0] + resumed.seen[0] == whole.seen[0] and resumed.seen[1] == whole.seen[1]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resume_from_the_last_batch_of_an_epoch_reads_the_next_epoch(tmp_path, workers):
+    write_dataset(tmp_path / "d", SIZES)
+    data = str(tmp_path / "d")
+    common = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                  default_root_dir=str(tmp_path))
+    whole = _Recorder()
+    pl.Trainer(max_epochs=2, **common).fit(whole, datamodule=_module(data, workers, batch_size=4))
+    first, resumed = _Recorder(), _Recorder()
+    save = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=16, save_last=True)  # 16 steps an epoch
+    pl.Trainer(max_steps=16, callbacks=[save], **common).fit(first, datamodule=_module(data, workers, batch_size=4))
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    before = torch.random.get_rng_state()
+    pl.Trainer(max_epochs=2, **common).fit(resumed, datamodule=_module(data, workers, batch_size=4),
+                                           ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert state["global_step"] == 16 and first.seen[0] == whole.seen[0]
+    assert list(resumed.seen) == [1] and resumed.seen[1] == whole.seen[1]  # epoch 1, not epoch 0 again
+    assert torch.equal(torch.random.get_rng_state(), before)  # opening loaders drew nothing from torch's RNG
