@@ -77,23 +77,25 @@ class StreamPosition:
                         {w: (self.batches[w], self.raw[w]) for w in range(spec.workers)})
 
     def epoch_to_read(self, epoch: int, spec: StreamSpec) -> int:
-        """The epoch a loader opened for the trainer's ``epoch`` reads.
+        """The epoch a loader opened while the trainer is at ``epoch`` reads.
 
-        Resumed from a checkpoint written after the last batch of an epoch, Lightning opens the
-        loader while its ``current_epoch`` still names that finished epoch, and trains the next
-        epoch from that iterator: the stream must then be the next epoch's.
+        Until a resumed position starts an epoch, the position decides, not the trainer: Lightning
+        may open the training iterator before it restores its loops (``current_epoch`` still 0, when
+        ``estimated_stepping_batches`` is asked for early), or while ``current_epoch`` still names
+        an epoch that ended with the checkpoint, and trains the epoch it resumes from that iterator.
+        The resumed epoch is the checkpoint's, or the next one when its last batch had been served.
         """
-        if not self.resumed or epoch != self.epoch or self.topology != spec.topology:
+        if not self.resumed or self.epoch < 0:
             return epoch
         served = sum(self.batches)
-        full = self._plan_of(epoch, spec).rank_batches if spec.exact else (spec.rank_batches or 0)
-        return epoch + 1 if 0 < served >= full else epoch
+        full = self._plan_of(self.epoch, spec).rank_batches if spec.exact else (spec.rank_batches or 0)
+        return self.epoch + 1 if 0 < served >= full else self.epoch
 
     def start(self, epoch: int, spec: StreamSpec) -> EpochRun:
         """Begin iterating ``epoch``: continue it if the position is inside it, else start afresh.
 
         Args:
-            epoch: the trainer's epoch (see :meth:`epoch_to_read`).
+            epoch: the trainer's epoch (a resumed position may read another, see :meth:`epoch_to_read`).
             spec: this rank's stream.
 
         Returns:

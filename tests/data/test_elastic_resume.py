@@ -232,6 +232,9 @@ class _Recorder(pl.LightningModule):
         return (self.weight - batch["image"].mean()) ** 2
 
     def configure_optimizers(self):
+        # As the CLIP and MAE modules do for their schedules; with ``max_epochs`` this makes Lightning
+        # open the training loader before it restores its loops (``current_epoch`` still 0).
+        assert self.trainer.estimated_stepping_batches > 0
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
@@ -287,3 +290,18 @@ def test_a_resume_from_the_last_batch_of_an_epoch_reads_the_next_epoch(tmp_path,
     assert state["global_step"] == 16 and first.seen[0] == whole.seen[0]
     assert list(resumed.seen) == [1] and resumed.seen[1] == whole.seen[1]  # epoch 1, not epoch 0 again
     assert torch.equal(torch.random.get_rng_state(), before)  # opening loaders drew nothing from torch's RNG
+
+
+def test_a_resume_in_a_later_epoch_continues_it_though_the_trainer_opens_the_loader_early(tmp_path):
+    write_dataset(tmp_path / "d", SIZES)
+    data = str(tmp_path / "d")
+    common = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                  default_root_dir=str(tmp_path))
+    whole = _Recorder()
+    pl.Trainer(max_epochs=3, **common).fit(whole, datamodule=_module(data, 2, batch_size=4))
+    first, resumed = _Recorder(), _Recorder()
+    save = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=21, save_last=True)  # step 5 of epoch 1
+    pl.Trainer(max_steps=21, max_epochs=3, callbacks=[save], **common).fit(first, datamodule=_module(data, 2, batch_size=4))
+    pl.Trainer(max_epochs=3, **common).fit(resumed, datamodule=_module(data, 2, batch_size=4),
+                                           ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert first.seen[1] + resumed.seen[1] == whole.seen[1] and resumed.seen[2] == whole.seen[2]
