@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import sys
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -21,6 +22,7 @@ from lightning.pytorch.loggers.logger import rank_zero_experiment
 from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.rng_state import RNGState
 from mmssl.callbacks.summary import RunSummary
+from mmssl.signals import install_sigterm_watchdog
 
 
 def _image_size(model: pl.LightningModule) -> int:
@@ -217,7 +219,16 @@ def cli_main(args: Optional[list[str]] = None) -> MMSSLCLI:
 
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of the ``mmssl`` console script; ``args`` replaces ``sys.argv[1:]`` in tests."""
-    cli_main(args)
+    install_sigterm_watchdog()  # SIGTERM ends the run even when a rank is stuck in a collective
+    try:
+        cli_main(args)
+    except RuntimeError as err:
+        if re.search(r"timed? ?out|timeout", str(err), re.IGNORECASE):
+            # gloo and NCCL word it differently ("Timed out waiting 300000ms", "Application
+            # timeout caused pair closure", "Watchdog caught collective operation timeout").
+            print("mmssl: a collective timed out (trainer.strategy.init_args.timeout): some rank stopped "
+                  "taking part, or died; its own log shows why", file=sys.stderr, flush=True)
+        raise
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +29,10 @@ def run_mmssl(args: list[str], cwd: Path, timeout: float = 300, env: Optional[di
               launcher: Optional[list[str]] = None) -> subprocess.CompletedProcess:
     """``python -m mmssl ARGS`` (or ``LAUNCHER -m mmssl ARGS``); the process group dies at ``timeout``.
 
+    The run is over when its first process (rank 0, or the launcher) exits; ranks it leaves
+    behind are killed then. Output goes through a file: a leftover rank holding a pipe open
+    would keep a reader waiting.
+
     Returns:
         The completed process, stdout and stderr merged into ``stdout``.
 
@@ -35,19 +40,23 @@ def run_mmssl(args: list[str], cwd: Path, timeout: float = 300, env: Optional[di
         AssertionError: the run did not end within ``timeout`` seconds (it was killed).
     """
     command = [sys.executable, *(launcher or []), "-m", "mmssl", *args]
-    proc = subprocess.Popen(command, cwd=cwd, env=env or cli_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"mmssl {' '.join(args[:3])} ... hung for {timeout:.0f} s; output tail:\n{out[-3000:]}")
-    finally:
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(command, cwd=cwd, env=env or cli_env(), stdout=log, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # ranks left behind by a failed rank 0
-        except ProcessLookupError:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
             pass
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the group: ranks left behind, or a hang
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        log.seek(0)
+        out = log.read()
+    if proc.returncode == -signal.SIGKILL:
+        raise AssertionError(f"mmssl {' '.join(args[:3])} ... hung for {timeout:.0f} s; output tail:\n{out[-3000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, out, "")
 
 

@@ -48,3 +48,18 @@ class DumpShards(pl.Callback):
             json.dump({"node_rank": trainer.node_rank, "world_size": trainer.world_size,
                        "environment": type(trainer.strategy.cluster_environment).__name__,
                        "shards": sorted({spec.urls[p.shard] for slot in slots for p in slot})}, f)
+
+
+class StallRank(pl.Callback):
+    """Rank ``rank`` stops for ``seconds`` after training step ``step``, so its peers wait in the
+    next collective: a desynchronised (or dead) rank. Touches ``{marker}`` when it starts."""
+
+    def __init__(self, rank: int, step: int, seconds: float, marker: str) -> None:
+        self.rank, self.step, self.seconds, self.marker = rank, step, seconds, marker
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            open(self.marker, "w").close()
+            import time
+
+            time.sleep(self.seconds)

@@ -1,0 +1,63 @@
+"""SIGTERM ends a run, even one stuck in a collective.
+
+Lightning's SIGTERM handler is Python code: it runs only when the main thread returns to the
+interpreter, which a rank blocked in a collective (a peer that died or desynchronised) never does,
+and the handler itself broadcasts to the other ranks. ``timeout``, a cluster's pre-emption or a
+user's ``kill`` is then ignored until the process-group timeout, or forever without one. Python
+writes each signal's number to a "wakeup" file descriptor from its C-level handler, at once,
+whatever the main thread is doing; a daemon thread waits on it, gives Lightning a grace period to
+stop cleanly, and then ends the process with SIGTERM's usual exit status. The ranks it leaves
+see their peer gone and fail in their next collective.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+GRACE_ENV = "MMSSL_SIGTERM_GRACE_S"
+DEFAULT_GRACE_S = 60.0
+
+
+def install_sigterm_watchdog(grace_s: float | None = None) -> bool:
+    """After a SIGTERM, exit hard if the process is still alive ``grace_s`` seconds later.
+
+    Call once from the main thread, before training. Lightning's own handler still runs first
+    whenever it can (it stops the loop at the next step and kills its child ranks).
+
+    Args:
+        grace_s: seconds to wait; ``None`` reads ``$MMSSL_SIGTERM_GRACE_S`` (default 60).
+
+    Returns:
+        Whether it was installed (not where a wakeup descriptor is already in use, e.g. asyncio,
+        or outside the main thread).
+    """
+    grace = float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S)) if grace_s is None else grace_s
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread
+        return False
+    if previous != -1:  # someone else's descriptor: leave it in place
+        signal.set_wakeup_fd(previous)
+        return False
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        # The C handler writes to the descriptor only for signals with a Python handler; until
+        # Lightning installs its own, this one keeps SIGTERM's default of ending the process.
+        signal.signal(signal.SIGTERM, _exit_now)
+
+    def watch() -> None:
+        while True:
+            if signal.SIGTERM in os.read(read_fd, 64):
+                time.sleep(grace)
+                os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="mmssl-sigterm-watchdog", daemon=True).start()
+    return True
+
+
+def _exit_now(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

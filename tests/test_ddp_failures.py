@@ -1,0 +1,53 @@
+"""A rank that stops joining collectives ends the job with an error, and SIGTERM ends a stuck job."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.cli_runs import REPO, cli_env, run_mmssl
+
+
+def _args(tmp_path, demo, clip_json: str, timeout: str) -> list[str]:
+    return [
+        "fit", "--config", str(REPO / "configs/demo/clip.yaml"),
+        "--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), f"--trainer.strategy.init_args.timeout={timeout}",
+        f"--model.init_args.model_name={clip_json}", f"--data.init_args.demo_dir={demo.root}",
+        "--data.init_args.batch_size=4", "--data.init_args.num_workers=0", "--trainer.max_steps=6",
+        f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks+=helpers.StallRank", "--trainer.callbacks.rank=1", "--trainer.callbacks.step=2",
+        "--trainer.callbacks.seconds=600", f"--trainer.callbacks.marker={tmp_path / 'stalled'}",
+    ]
+
+
+def test_a_desynchronised_collective_fails_with_the_timeout(tmp_path, tiny_demo, tiny_clip_json):
+    start = time.monotonic()
+    out = run_mmssl(_args(tmp_path, tiny_demo, tiny_clip_json, "0:00:30"), tmp_path, timeout=240)
+    elapsed = time.monotonic() - start
+    assert out.returncode != 0
+    assert "mmssl: a collective timed out (trainer.strategy.init_args.timeout)" in out.stdout, out.stdout[-3000:]
+    assert (tmp_path / "stalled").exists() and elapsed < 180  # the 30 s timeout, not the 600 s stall
+
+
+def test_sigterm_ends_a_run_stuck_in_a_collective(tmp_path, tiny_demo, tiny_clip_json):
+    """Rank 0 waits in a collective (process-group timeout 5 min) when SIGTERM arrives."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmssl", *_args(tmp_path, tiny_demo, tiny_clip_json, "0:05:00")], cwd=tmp_path,
+        env=cli_env(MMSSL_SIGTERM_GRACE_S="5"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "stalled").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert (tmp_path / "stalled").exists() and proc.poll() is None
+        time.sleep(3)  # rank 0 is now blocked in the next step's gather
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        assert code != 0 and time.monotonic() - sent < 60
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
