@@ -49,7 +49,7 @@ def test_recipe_runs_two_steps_on_cpu_at_tiny_scale(name, tmp_path, tiny_demo):
         "fit", "--config", str(CONFIGS / "mae" / f"{name}.yaml"),
         "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1",
         "--trainer.strategy=auto", "--trainer.precision=32-true", "--trainer.max_steps=2",
-        "--trainer.limit_val_batches=0",
+        "--trainer.limit_val_batches=1",
         f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
         "--data.train_data=null", f"--data.demo_dir={tiny_demo.root}",
         "--data.batch_size=4", "--data.num_workers=0",

@@ -2,12 +2,12 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.cli_runs import PG_TIMEOUT, REPO
 
 
 def _free_port() -> int:
@@ -29,15 +29,25 @@ def test_torchrun_two_nodes_each_read_their_own_shards(tmp_path, tiny_demo, tiny
             "--trainer.num_nodes=2", "--trainer.devices=1",
             f"--model.init_args.model_name={tiny_clip_json}",
             f"--data.init_args.demo_dir={tiny_demo.root}", "--data.init_args.batch_size=4",
-            "--data.init_args.num_workers=0", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+            "--data.init_args.num_workers=0", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
+            PG_TIMEOUT,  # validation on: the held-out split is dealt over the two nodes
             f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false",
             "--trainer.callbacks+=helpers.DumpShards", f"--trainer.callbacks.folder={tmp_path / 'shards'}",
-        ], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        ], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
         for node in (0, 1)
     ]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]  # a hang fails here, not in CI
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-3000:]
+    assert "val/loss" in open(tmp_path / "runs" / "version_0" / "metrics.csv").readline()
     ranks = [json.loads((tmp_path / "shards" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["node_rank"] for r in ranks] == [0, 1]
     assert all(r["world_size"] == 2 and r["environment"] == "TorchElasticEnvironment" for r in ranks)

@@ -32,7 +32,7 @@ def test_two_ranks_draw_different_masks_and_scale_lr(tmp_path):
     L.seed_everything(0)  # the same seed on every rank, as LightningCLI's seed_everything does
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+        enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=1,
         default_root_dir=tmp_path,
     )
     report = tmp_path / "report.json"
