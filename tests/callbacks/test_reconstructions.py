@@ -11,7 +11,7 @@ def test_writes_grids_to_run_folder_and_tensorboard(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="run")
     trainer = L.Trainer(
         max_steps=4, logger=logger, callbacks=[Reconstructions(every_n_steps=2, num_images=3, zoom=2)],
-        enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+        enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=1,
     )
     trainer.fit(MAE(**TINY), datamodule=ImageData())
     folder = tmp_path / "run" / "version_0" / "reconstructions"
