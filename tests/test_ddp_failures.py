@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,3 +52,21 @@ def test_sigterm_ends_a_run_stuck_in_a_collective(tmp_path, tiny_demo, tiny_clip
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_a_bad_evaluation_set_stops_every_rank_at_start(tmp_path, tiny_demo, tiny_clip_json):
+    """A labelled set without classnames.txt: both ranks fail in setup, naming the key, none waits."""
+    unnamed = tmp_path / "unnamed"
+    unnamed.mkdir()
+    shutil.copy(os.path.join(os.path.dirname(tiny_demo.val), "00000.tar"), unnamed / "00000.tar")
+    out = run_mmssl([
+        "fit", "--config", str(REPO / "configs/demo/clip.yaml"), "--config", str(REPO / "configs/trainer/ddp_cpu.yaml"),
+        "--trainer.strategy.init_args.timeout=0:00:30", f"--model.init_args.model_name={tiny_clip_json}",
+        f"--data.init_args.demo_dir={tiny_demo.root}", "--data.init_args.batch_size=4",
+        "--data.init_args.num_workers=0", f"--trainer.default_root_dir={tmp_path / 'runs'}",
+        "--trainer.callbacks+=mmssl.callbacks.ZeroShot", f"--trainer.callbacks.data={unnamed}",
+    ], tmp_path, timeout=180)
+    assert out.returncode != 0
+    message = f"ZeroShot: data={str(unnamed)!r}: labelled set {str(unnamed)!r} has no classnames.txt"
+    assert out.stdout.count(message) >= 2, out.stdout[-3000:]  # raised on both ranks, in setup
+    assert "Sanity Checking" not in out.stdout

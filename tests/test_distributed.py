@@ -136,3 +136,18 @@ def test_retrieval_is_the_same_on_two_ranks_with_uneven_shares(two_process_resul
 def test_gather_is_identity_without_a_process_group():
     x = torch.randn(3, 4, requires_grad=True)
     assert gather_with_grad(x) is x
+
+
+def test_each_rank_draws_its_own_masks_from_the_run_seed():
+    """CLIP (FLIP masks, dropout) and MAE offset the run's seed by the rank at fit start."""
+    from mmssl.distributed import seed_per_rank
+
+    draws = []
+    for global_rank, ranks in ((0, 2), (1, 2), (1, 2), (0, 1)):
+        torch.manual_seed(7)
+        seed_per_rank(global_rank, ranks)
+        draws.append(torch.rand(4))
+    assert not torch.equal(draws[0], draws[1])  # ranks differ
+    assert torch.equal(draws[1], draws[2])  # deterministic from (seed, rank)
+    torch.manual_seed(7)
+    assert torch.equal(draws[3], torch.rand(4))  # one process keeps its stream

@@ -74,7 +74,10 @@ def check_labelled_set(data: str, who: str, key: str, need_classnames: bool = Fa
         if sizes is not None and sum(sizes) == 0:
             raise ValueError(f"{where}: its sizes.json lists no samples")
     if need_classnames:
-        read_classnames(data)  # raises, naming the file it looked for
+        try:
+            read_classnames(data)
+        except (FileNotFoundError, ValueError) as err:
+            raise type(err)(f"{where}: {err}") from err
 
 
 def check_labels(labels: Tensor, num_classes: int, data: str, who: str, reduce: Callable[[Tensor], Tensor]) -> None:
