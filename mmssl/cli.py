@@ -10,10 +10,11 @@ import csv
 import os
 import re
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -85,9 +86,11 @@ class MMSSLCLI(LightningCLI):
             resume = ckpt_path in ("last", "hpc") or requeued
             resume_step = None
             if resume:
-                version = latest_version(root)
-                found = resume_checkpoint(root, version, "hpc" if requeued and ckpt_path is None else ckpt_path)
-                resume_step = checkpoint_step(found) if found else 0
+                callbacks = config.get("callbacks") or []
+                callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+                dirs = [cb.dirpath for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+                found = resume_checkpoint(root, latest_version(root), "hpc" if requeued and ckpt_path is None else ckpt_path, dirs)
+                resume_step = checkpoint_step(found) if found else 0  # none: Lightning starts again at 0
             kwargs["logger"] = default_loggers(root, resume, resume_step)
         return super().instantiate_trainer(**kwargs)
 
@@ -98,19 +101,28 @@ def latest_version(root: str) -> Optional[int]:
     return max(found) if found else None
 
 
-def resume_checkpoint(root: str, version: Optional[int], ckpt_path: Optional[str]) -> Optional[str]:
+def resume_checkpoint(root: str, version: Optional[int], ckpt_path: Optional[str],
+                      checkpoint_dirs: Sequence[str] = ()) -> Optional[str]:
     """The file Lightning resumes from for ``ckpt_path`` in mmssl's run-folder layout, if any.
 
-    ``last``: the newest ``last*.ckpt`` in ``{root}/version_N/checkpoints`` (where the first
-    logger puts ``ModelCheckpoint``'s files); ``hpc``: ``{root}/hpc_ckpt_{highest}.ckpt``, as
-    Lightning's SLURM handler names them; any other value is a path, returned when it exists.
+    Args:
+        root: ``trainer.default_root_dir``.
+        version: N of the run folder ``{root}/version_N`` being continued.
+        ckpt_path: ``last``: the newest ``last*.ckpt`` in ``{root}/version_N/checkpoints``
+            (where ``ModelCheckpoint`` writes by default) or in ``checkpoint_dirs``, as
+            Lightning picks it; ``hpc``: ``{root}/hpc_ckpt_{highest}.ckpt``, as Lightning's SLURM
+            handler names them; any other value is a path, returned when it exists.
+        checkpoint_dirs: ``dirpath`` of the configured ``ModelCheckpoint`` callbacks that set one.
+
+    Returns:
+        The checkpoint's path, ``None`` when there is none (Lightning then starts at step 0).
     """
     if ckpt_path == "hpc":
         found = [int(m.group(1)) for f in os.listdir(root) if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", f))] if os.path.isdir(root) else []
         return os.path.join(root, f"hpc_ckpt_{max(found)}.ckpt") if found else None
     if ckpt_path == "last":
-        folder = os.path.join(root, f"version_{version}", "checkpoints")
-        last = [os.path.join(folder, f) for f in os.listdir(folder) if re.fullmatch(r"last.*\.ckpt", f)] if version is not None and os.path.isdir(folder) else []
+        folders = [*checkpoint_dirs, *([os.path.join(root, f"version_{version}", "checkpoints")] if version is not None else [])]
+        last = [os.path.join(d, f) for d in folders if os.path.isdir(d) for f in os.listdir(d) if re.fullmatch(r"last.*\.ckpt", f)]
         return max(last, key=os.path.getmtime) if last else None
     return ckpt_path if ckpt_path and os.path.isfile(ckpt_path) else None
 
@@ -148,9 +160,9 @@ def default_loggers(root: str, resume: bool = False, resume_step: Optional[int] 
     # On resume, no second placeholder ``hp_metric`` at step 0 (Lightning logs one per run).
     purge = {"purge_step": resume_step, "default_hp_metric": False} if continued else {}
     tensorboard = TensorBoardLogger(save_dir=root, name="", version=version, **purge)
-    csv = ContinuedCSVLogger(save_dir=root, name="", version=tensorboard.version,
-                             resume_step=resume_step if continued else None)
-    return [tensorboard, csv]
+    csv_logger = ContinuedCSVLogger(save_dir=root, name="", version=tensorboard.version,
+                                    resume_step=resume_step if continued else None)
+    return [tensorboard, csv_logger]
 
 
 class _ContinuedWriter(ExperimentWriter):

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 # Lightning has a public ``isolate_rng`` context manager but no public collect/set pair: its
@@ -22,11 +23,16 @@ from lightning.pytorch.utilities import rank_zero_warn
 # ``all_gather`` per key and the checkpoint loads under ``weights_only=True``.
 
 
-def collect_rng_states() -> dict[str, torch.Tensor]:
-    """The global RNG states of this process as tensors: torch CPU, CUDA (if used), Python, numpy.
+def collect_rng_states(device: Optional[torch.device] = None) -> dict[str, torch.Tensor]:
+    """The global RNG states of this process as tensors: torch CPU, Python, numpy, and ``device``'s.
+
+    Args:
+        device: the process's accelerator; a CUDA device adds its generator's state (only this
+            one: under DDP each process draws on its own GPU, and every rank then saves the same
+            keys and shapes whatever devices it can see).
 
     Returns:
-        ``{name: tensor}``; every tensor has the same shape on every rank of a homogeneous job.
+        ``{name: tensor}``, the same names and shapes on every rank.
     """
     _, python_words, python_gauss = random.getstate()  # 624 Mersenne-Twister words + position
     _, numpy_words, numpy_pos, numpy_has_gauss, numpy_gauss = np.random.get_state()
@@ -37,13 +43,13 @@ def collect_rng_states() -> dict[str, torch.Tensor]:
         "numpy": torch.tensor([*numpy_words.tolist(), numpy_pos], dtype=torch.int64),  # (625,)
         "numpy_gauss": torch.tensor([numpy_has_gauss, numpy_gauss], dtype=torch.float64),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.stack(torch.cuda.get_rng_state_all())  # (devices, 16) uint8
+    if device is not None and device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)  # (16,) uint8
     return states
 
 
-def set_rng_states(states: dict[str, torch.Tensor]) -> None:
-    """Restore states written by :func:`collect_rng_states` (CUDA only where it was saved)."""
+def set_rng_states(states: dict[str, torch.Tensor], device: Optional[torch.device] = None) -> None:
+    """Restore states written by :func:`collect_rng_states` (``device``'s when saved and CUDA)."""
     # clone(): a row of a stacked (world, ...) tensor is a view into shared storage, which
     # set_rng_state does not handle (it crashes the process on torch 2.x).
     torch.set_rng_state(states["torch"].cpu().clone())
@@ -52,8 +58,8 @@ def set_rng_states(states: dict[str, torch.Tensor]) -> None:
     words = states["numpy"].tolist()
     has_gauss, gauss = states["numpy_gauss"].tolist()
     np.random.set_state(("MT19937", np.array(words[:-1], dtype=np.uint32), words[-1], int(has_gauss), gauss))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([state.clone() for state in states["cuda"].cpu()])
+    if "cuda" in states and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"].cpu().clone(), device)
 
 
 def seed_all(seed: int) -> None:
@@ -73,9 +79,11 @@ class RNGState(pl.Callback):
     then reseeded from (the current seed, global step, rank), with a warning.
 
     Validation inside ``fit`` runs with the training RNG set aside and put back afterwards (as
-    Lightning does for its sanity check), so evaluation never shifts the training stream: a run
-    resumed from a checkpoint written just before a validation, which the resumed run does not
-    repeat, draws the same masks as the run that validated.
+    Lightning does for its sanity check), so validation code never shifts the training stream: a
+    run resumed from a checkpoint written before a validation, which the resumed run does not
+    repeat, draws the same masks as the run that validated. This needs loaders that leave the
+    global torch RNG alone: a ``DataLoader`` without its own ``generator`` draws its worker seed
+    from it whenever an iterator is created, before any hook runs (mmssl's loaders have one).
     """
 
     def __init__(self) -> None:
@@ -90,8 +98,8 @@ class RNGState(pl.Callback):
         """Every rank's states, stacked on a leading rank dimension: ``{name: (world, ...)}``.
 
         Runs on every rank while the checkpoint is dumped (the gathers are collectives)."""
-        states = collect_rng_states()
         trainer = self._trainer
+        states = collect_rng_states(trainer.strategy.root_device if trainer is not None else None)
         if trainer is None or trainer.world_size == 1:
             return {name: state.unsqueeze(0) for name, state in states.items()}
         device = trainer.strategy.root_device
@@ -106,7 +114,8 @@ class RNGState(pl.Callback):
         saved, self._loaded = self._loaded, None
         saved_world = saved["torch"].shape[0]
         if saved_world == trainer.world_size:
-            set_rng_states({name: state[trainer.global_rank] for name, state in saved.items()})
+            set_rng_states({name: state[trainer.global_rank] for name, state in saved.items()},
+                           trainer.strategy.root_device)
             return
         # str seeds hash with SHA-512: stable across runs and processes.
         seed = random.Random(f"{torch.initial_seed()}/{trainer.global_step}/{trainer.global_rank}").getrandbits(32)
@@ -119,10 +128,10 @@ class RNGState(pl.Callback):
         )
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.training or trainer.state.fn == "fit":
-            self._before_validation = collect_rng_states()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._before_validation = collect_rng_states(trainer.strategy.root_device)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._before_validation is not None:
-            set_rng_states(self._before_validation)
+            set_rng_states(self._before_validation, trainer.strategy.root_device)
             self._before_validation = None
