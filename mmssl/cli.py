@@ -143,7 +143,8 @@ def default_loggers(root: str, resume: bool = False, resume_step: Optional[int] 
     metrics of the step that makes ``global_step`` ``k`` at step ``k - 1``, so what the killed run
     logged at steps ``>= k`` is redone, and logged again, by the resumed run. ``metrics.csv`` keeps
     its rows before ``k`` (:class:`ContinuedCSVLogger`); TensorBoard's ``purge_step=k`` hides the
-    events at steps ``>= k`` of the earlier event files, so each curve is continuous.
+    events at steps ``>= k`` of the earlier event files, so each curve is one line (checked with
+    TensorBoard 2.21's Rust and Python loaders).
 
     Args:
         root: the folder of run folders (``trainer.default_root_dir``).
@@ -157,9 +158,12 @@ def default_loggers(root: str, resume: bool = False, resume_step: Optional[int] 
     """
     version = latest_version(root) if resume else None
     continued = resume and version is not None and resume_step is not None
-    # On resume, no second placeholder ``hp_metric`` at step 0 (Lightning logs one per run).
-    purge = {"purge_step": resume_step, "default_hp_metric": False} if continued else {}
-    tensorboard = TensorBoardLogger(save_dir=root, name="", version=version, **purge)
+    # Every run's events start with a SessionLog.START at its first step: TensorBoard's Python
+    # loader takes a run's first START for its beginning and purges on later ones only, so a
+    # fresh run writes one at 0 for the START of a resume to purge (the Rust loader purges on
+    # any). On resume, no second placeholder ``hp_metric`` at step 0 (Lightning logs one per run).
+    resumed = {"purge_step": resume_step, "default_hp_metric": False} if continued else {"purge_step": 0}
+    tensorboard = TensorBoardLogger(save_dir=root, name="", version=version, **resumed)
     csv_logger = ContinuedCSVLogger(save_dir=root, name="", version=tensorboard.version,
                                     resume_step=resume_step if continued else None)
     return [tensorboard, csv_logger]

@@ -113,12 +113,15 @@ def _csv_entries(run: Path) -> Counter:
 
 
 def _tensorboard_scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
-    """Each scalar tag's (step, value) events as TensorBoard shows them (purged events hidden)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """Each scalar tag's (step, value) events as TensorBoard's Python loader shows them
+    (``--load_fast=false``; it purges on a restart's SessionLog.START only after a first one)."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
 
     events = EventAccumulator(str(run), purge_orphaned_data=True)
     events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    return {tag: [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
+            for tag in events.PluginTagToContent("scalars")}
 
 
 def _assert_same_logs(run: Path, reference: Path) -> None:
