@@ -18,7 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from mmssl.evaluation.features import check_feature
 from mmssl.evaluation.knn import knn_scores
-from mmssl.evaluation.online import ProbeSpec, check_labelled_set, default_data, probe_features, should_run
+from mmssl.evaluation.online import ProbeSpec, check_labelled_set, default_data, probe_features, should_run, will_evaluate
 
 
 class KNNProbe(pl.Callback):
@@ -59,6 +59,8 @@ class KNNProbe(pl.Callback):
         self.max_train_samples = max_train_samples
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not will_evaluate(trainer, stage):
+            return
         train, val = default_data(trainer, self.train_data, self.val_data, "KNNProbe")
         check_labelled_set(train, "KNNProbe", "train_data")  # every rank, at start
         check_labelled_set(val, "KNNProbe", "val_data")

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from mmssl.evaluation.features import check_feature
 from mmssl.evaluation.linear import METHODS, score_linear
-from mmssl.evaluation.online import ProbeSpec, check_labelled_set, default_data, probe_features, run_folder, should_run
+from mmssl.evaluation.online import ProbeSpec, check_labelled_set, default_data, probe_features, run_folder, should_run, will_evaluate
 from mmssl.evaluation.plot import plot_layer_accuracy
 
 
@@ -89,6 +89,8 @@ class LinearProbe(pl.Callback):
                          self.max_train_samples)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not will_evaluate(trainer, stage):
+            return
         spec = self.spec(trainer)  # every rank checks at start, so a bad set stops all of them
         check_labelled_set(spec.train_data, "LinearProbe", "train_data")
         check_labelled_set(spec.val_data, "LinearProbe", "val_data")

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from mmssl.data.labeled import labeled_loader, read_classnames, read_templates
 from mmssl.data.transforms import eval_transform
-from mmssl.evaluation.online import check_labelled_set
+from mmssl.evaluation.online import check_labelled_set, will_evaluate
 from mmssl.evaluation.zero_shot import build_zero_shot_classifier, zero_shot_evaluate
 
 __all__ = ["ZeroShot", "build_zero_shot_classifier"]
@@ -55,6 +55,8 @@ class ZeroShot(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every rank checks at start, so a missing set or class list stops all of them at once.
+        if not will_evaluate(trainer, stage):
+            return
         data = self._data(trainer)
         check_labelled_set(data, "ZeroShot", "data", need_classnames=self.classnames is None)
         read_templates(data, self.templates)

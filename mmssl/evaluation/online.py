@@ -48,6 +48,12 @@ def default_data(trainer: pl.Trainer, train_data: Optional[str], val_data: Optio
     return train, val
 
 
+def will_evaluate(trainer: pl.Trainer, stage: str) -> bool:
+    """Whether evaluation callbacks can run in this stage (``fit`` with validation switched off
+    never calls them, so their data need not exist, e.g. for throughput benchmarks)."""
+    return not (stage == "fit" and trainer.limit_val_batches == 0)
+
+
 def check_labelled_set(data: str, who: str, key: str, need_classnames: bool = False) -> None:
     """Fail at start-up, on every rank alike, when a labelled set cannot be evaluated.
 
