@@ -21,6 +21,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
 from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
+from mmssl.callbacks.log_step import LogStepOnResume
 from mmssl.callbacks.rng_state import RNGState
 from mmssl.callbacks.summary import RunSummary
 from mmssl.signals import install_sigterm_watchdog
@@ -74,6 +75,8 @@ class MMSSLCLI(LightningCLI):
         parser.add_lightning_class_args(EvaluationBufferSync, "evaluation_buffer_sync")
         # Always on: every rank's RNG states in each checkpoint, restored on resume.
         parser.add_lightning_class_args(RNGState, "rng_state")
+        # Always on: a resumed run logs at the uninterrupted run's steps (a Lightning restart quirk).
+        parser.add_lightning_class_args(LogStepOnResume, "log_step_on_resume")
 
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         config = self._get(self.config_init, "trainer", default={})

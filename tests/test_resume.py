@@ -80,6 +80,9 @@ def _config(tmp_path: Path, root: Path, demo_root: str, batch_size: int, workers
                 # Keeps the epoch-boundary checkpoints (8 steps an epoch on one process).
                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                  "init_args": {"every_n_train_steps": 8, "save_top_k": -1, "dirpath": str(root / "boundary")}},
+                # ... and the ones written after each epoch's validation (the recipes' default).
+                {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                 "init_args": {"save_top_k": -1, "dirpath": str(root / "validated")}},
                 {"class_path": "tests.helpers.DumpParams", "init_args": {"folder": str(root / "params")}},
             ],
         },
@@ -137,9 +140,10 @@ def _assert_same_logs(run: Path, reference: Path) -> None:
 def single(tmp_path_factory, tiny_demo) -> dict:
     """An uninterrupted run and a run SIGKILLed at step 11 (8 steps an epoch: batch 3 of epoch 1).
 
-    Returns ``{"args": root -> CLI args, "reference": Path, "killed": Path, "boundary": Path}``;
-    ``boundary`` is a copy of the killed run folder whose newest checkpoint (``last.ckpt``) is the
-    end of epoch 0, as if the kill had come after that checkpoint.
+    Returns ``{"args": root -> CLI args, "reference": Path, "killed": Path, "boundary": Path,
+    "validated": Path}``; ``boundary`` and ``validated`` are copies of the killed run folder whose
+    newest checkpoint (``last.ckpt``) is the end of epoch 0, written after its last step or after
+    its validation, as if the kill had come after that checkpoint.
     """
     tmp_path = tmp_path_factory.mktemp("resume")
     torch.set_num_threads(1)  # as in the killed subprocess (OMP_NUM_THREADS=1): same float sums
@@ -147,14 +151,16 @@ def single(tmp_path_factory, tiny_demo) -> dict:
     def args(root: Path) -> list[str]:  # 64 samples, batch 8: 8 steps an epoch; validation on
         return _config(tmp_path, root, tiny_demo.root, batch_size=8, workers=2, max_steps=13)
 
-    reference, killed, boundary = tmp_path / "uninterrupted", tmp_path / "killed", tmp_path / "boundary"
+    reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    boundary, validated = tmp_path / "boundary", tmp_path / "validated"
     main(args(reference))
     [out] = _launch([*args(killed), *_kill_at(11)], tmp_path, timeout=150)
     assert out.returncode == -signal.SIGKILL, out.stdout[-3000:]
     assert torch.load(_last(killed), weights_only=True)["global_step"] == 10  # step 11 died before its save
-    shutil.copytree(killed, boundary)
-    shutil.copy(boundary / "boundary" / "epoch=0-step=8.ckpt", _last(boundary))
-    return {"args": args, "reference": reference, "killed": killed, "boundary": boundary}
+    for copy in (boundary, validated):
+        shutil.copytree(killed, copy)
+        shutil.copy(copy / copy.name / "epoch=0-step=8.ckpt", _last(copy))
+    return {"args": args, "reference": reference, "killed": killed, "boundary": boundary, "validated": validated}
 
 
 def _last(root: Path) -> Path:
@@ -179,14 +185,16 @@ def test_sigkilled_run_resumes_mid_epoch_exactly(single):
     _assert_same_logs(killed / "version_0", reference / "version_0")
 
 
-def test_sigkilled_run_resumes_at_epoch_boundary_exactly(single):
-    boundary, reference = single["boundary"], single["reference"]
-    main([*single["args"](boundary), "--ckpt_path=last"])
-    # Validation of epoch 0 ran after the step-8 checkpoint and is not repeated: its rows (at
-    # step 7) are kept; the killed run's rows of steps 8-10 were dropped and logged again.
-    _assert_same_logs(boundary / "version_0", reference / "version_0")
-    assert _position(boundary) == _position(reference)
-    _assert_same_params(boundary, reference)
+@pytest.mark.parametrize("saved", ["boundary", "validated"])
+def test_sigkilled_run_resumes_at_epoch_boundary_exactly(single, saved):
+    # boundary: validation of epoch 0 ran after the step-8 checkpoint and is not repeated, its rows
+    # (at step 7) are kept; validated: the checkpoint came after it. Either way the killed run's
+    # rows of steps 8-10 are dropped and logged again, at the same steps (LogStepOnResume).
+    run, reference = single[saved], single["reference"]
+    main([*single["args"](run), "--ckpt_path=last"])
+    _assert_same_logs(run / "version_0", reference / "version_0")
+    assert _position(run) == _position(reference)
+    _assert_same_params(run, reference)
 
 
 def test_two_process_run_resumes_mid_epoch_exactly(tmp_path, tiny_demo):
