@@ -20,20 +20,48 @@ is read again, and fewer than ``world x batch`` of them are left out (reported).
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from mmssl.data.decode import SampleDecoder, draft_size, trim_text_padding
 from mmssl.data.demo import demo_data
-from mmssl.data.pipeline import META_KEYS, ShardStream, plan_stream
-from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources
+from mmssl.data.pipeline import META_KEYS, ShardStream, StreamSpec, plan_stream
+from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources, shard_sizes
 from mmssl.data.state import EpochLoader, StreamPosition
 from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD, BatchNormalize, eval_transform, train_sample_transform
 
 __all__ = ["ImageTextDataModule", "count_samples", "expand_urls"]
+
+
+def validation_batches_per_rank(spec: StreamSpec) -> Optional[list[int]]:
+    """Batches each rank's validation stream yields (workers cut their own partial last batch),
+    from the shard sizes (``sizes.json`` or counted); ``None`` when some size is unknown."""
+    sizes = shard_sizes([u for g in spec.groups for u in g])
+    if sizes is None:
+        return None
+    size_of = dict(zip((u for g in spec.groups for u in g), sizes))
+    per_slot = [math.ceil(sum(size_of[u] for u in group) / spec.batch_size) for group in spec.groups]
+    return [sum(per_slot[r * spec.workers:(r + 1) * spec.workers]) for r in range(spec.world_size)]
+
+
+def check_even_validation(spec: StreamSpec, where: str) -> None:
+    """Refuse, at start-up, validation shares that FSDP cannot run.
+
+    Under FSDP every forward all-gathers parameters, a collective: a rank with fewer validation
+    batches than another stops joining them and the others wait (until the process-group
+    timeout). DDP has no such collective in evaluation (see ``EvaluationBufferSync``).
+    """
+    counts = validation_batches_per_rank(spec)
+    if counts is not None and len(set(counts)) > 1:
+        raise ValueError(
+            f"{where}: under FSDP every validation forward is a collective, so every rank needs the same "
+            f"number of validation batches, but the shards give ranks {counts}: use shards of equal size in a "
+            f"multiple of ranks x workers ({spec.world_size} x {spec.workers}), or validate on one process")
 
 
 class ImageTextDataModule(pl.LightningDataModule):
@@ -137,6 +165,8 @@ class ImageTextDataModule(pl.LightningDataModule):
                         raise type(err)(f"data.{key}={data!r}: {err}") from err
                     if train:
                         self._report(stream)
+                    elif world > 1 and isinstance(self.trainer.strategy, FSDPStrategy):
+                        check_even_validation(stream.spec, f"data.{key}={data!r}")
 
     def _report(self, stream: ShardStream) -> None:
         """Log the training epoch's plan once (rank 0): samples, left out, duplicates, batches."""

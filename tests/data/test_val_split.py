@@ -30,3 +30,19 @@ def test_validation_split_reads_every_shard_once():
     source = Source(tuple(f"s{i:05d}.tar" for i in range(37)))
     groups = plan_stream([source], batch_size=4, world_size=4, workers=3, train=False).groups
     assert Counter(u for g in groups for u in g) == Counter(source.urls)
+
+
+def test_fsdp_refuses_uneven_validation_at_start(tmp_path):
+    """Under FSDP each forward is a collective: ranks must hold equal validation batch counts."""
+    from shard_helpers import write_dataset
+
+    from mmssl.data.webdataset import check_even_validation, validation_batches_per_rank
+
+    write_dataset(tmp_path, [8, 8, 8])
+    urls = [str(tmp_path / f"{i:05d}.tar") for i in range(3)]
+    uneven = plan_stream([Source(tuple(urls))], batch_size=4, world_size=2, workers=1, train=False)
+    assert validation_batches_per_rank(uneven) == [4, 2]
+    with pytest.raises(ValueError, match=r"data.val_data='v': under FSDP .* ranks \[4, 2\]"):
+        check_even_validation(uneven, "data.val_data='v'")
+    even = plan_stream([Source(tuple(urls[:2]))], batch_size=4, world_size=2, workers=1, train=False)
+    check_even_validation(even, "data.val_data='v'")  # [2, 2]: fine
