@@ -95,7 +95,11 @@ class MMSSLCLI(LightningCLI):
                 found = resume_checkpoint(root, latest_version(root), "hpc" if requeued and ckpt_path is None else ckpt_path, dirs)
                 resume_step = checkpoint_step(found) if found else 0  # none: Lightning starts again at 0
             kwargs["logger"] = default_loggers(root, resume, resume_step)
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        # LogStepOnResume first: callbacks that log in on_train_batch_start (LearningRateMonitor)
+        # must see its correction of the logging step.
+        trainer.callbacks.sort(key=lambda callback: not isinstance(callback, LogStepOnResume))
+        return trainer
 
 
 def latest_version(root: str) -> Optional[int]:

@@ -83,6 +83,8 @@ def _config(tmp_path: Path, root: Path, demo_root: str, batch_size: int, workers
                 # ... and the ones written after each epoch's validation (the recipes' default).
                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                  "init_args": {"save_top_k": -1, "dirpath": str(root / "validated")}},
+                {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
+                 "init_args": {"logging_interval": "step"}},  # logs in on_train_batch_start
                 {"class_path": "tests.helpers.DumpParams", "init_args": {"folder": str(root / "params")}},
             ],
         },
