@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from mmssl.checkpoints import read_checkpoint
+
 StateDict = dict[str, torch.Tensor]
 
 
@@ -69,10 +71,11 @@ def load_lightning_state_dict(path: str) -> StateDict:
 
     Returns:
         The module's state dict (``encoder.*``, ``decoder.*``, ...).
+
+    Raises:
+        mmssl.checkpoints.UnsafeCheckpointError: the file pickles anything but plain data.
     """
-    # Our own checkpoints also pickle hyper-parameters (optimizer callables), which
-    # weights_only loading rejects; only load checkpoints you trust.
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint = read_checkpoint(path)  # weights only: a file that pickles code is refused
     if "state_dict" not in checkpoint:
         raise KeyError(f"{path} is not a Lightning checkpoint (no 'state_dict' entry)")
     return checkpoint["state_dict"]

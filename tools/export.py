@@ -2,6 +2,9 @@
 
     python tools/export.py --ckpt runs/mae/checkpoints/last.ckpt --format timm --output vit.pth
     python tools/export.py --ckpt runs/clip/checkpoints/last.ckpt --format open_clip --output clip.pth
+
+The checkpoint is read as weights only: a file that pickles anything but tensors and plain data
+is refused (mmssl.checkpoints).
 """
 
 from __future__ import annotations

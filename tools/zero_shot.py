@@ -22,7 +22,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="Lightning .ckpt, or an open_clip state dict with --model")
     p.add_argument("--model", help="open_clip model name or .json config of a state-dict file")
-    p.add_argument("--model-class", help="LightningModule class path if the checkpoint records none")
+    p.add_argument("--model-class", choices=("MAE", "CLIP", "mmssl.models.mae.MAE", "mmssl.models.clip.CLIP"),
+                   help="model class if the checkpoint records none (only mmssl's own are built)")
     p.add_argument("--data", required=True, help="labelled set: shard folder/pattern or image folder")
     p.add_argument("--classnames", help="class-names file (default: classnames.txt beside the data)")
     p.add_argument("--templates", help="templates file (default: beside the data, else the 80 OpenAI ones)")

@@ -7,7 +7,7 @@ Every loader returns a module with the probe protocol (``mmssl.evaluation.featur
 
 from __future__ import annotations
 
-import importlib
+import inspect
 import os
 from typing import Any, Optional
 
@@ -17,6 +17,8 @@ import timm
 import torch
 import yaml
 from torch import Tensor, nn
+
+from mmssl.checkpoints import read_checkpoint, read_state_dict
 
 
 class TimmEncoder(nn.Module):
@@ -52,50 +54,69 @@ class TimmEncoder(nn.Module):
         return [prefix[:, 0] if pool == "cls" else patches.mean(dim=1) for patches, prefix in out]
 
 
-def _strip_prefix(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Unwrap ``{"state_dict": ...}`` / ``{"model": ...}`` and DDP's ``module.`` key prefix."""
-    for key in ("state_dict", "model"):
-        if isinstance(state_dict.get(key), dict):
-            state_dict = state_dict[key]
-    if state_dict and all(k.startswith("module.") for k in state_dict):
-        state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
-    return state_dict
+def _model_classes() -> dict[str, type[pl.LightningModule]]:
+    """The LightningModules a checkpoint may be loaded into, by the class path LightningCLI
+    records. A checkpoint selects one of these by name; nothing else is ever imported."""
+    from mmssl.models.clip import CLIP  # evaluation -> models: callbacks never import this
+    from mmssl.models.mae import MAE
+
+    return {"mmssl.models.mae.MAE": MAE, "mmssl.models.clip.CLIP": CLIP}
 
 
-def _lightning_class(path: str, checkpoint: dict) -> type:
-    """The LightningModule class of a checkpoint: its ``_class_path`` hyper-parameter (written by
-    LightningCLI), else ``model.class_path`` of the run's ``config.yaml`` (``run/checkpoints/x.ckpt``)."""
-    class_path = checkpoint.get("hyper_parameters", {}).get("_class_path")
+def _lightning_class(path: str, checkpoint: dict, model_class: Optional[str] = None) -> type[pl.LightningModule]:
+    """The allow-listed LightningModule class of a checkpoint: ``model_class`` if given, else its
+    ``_class_path`` hyper-parameter (written by LightningCLI), else ``model.class_path`` of the
+    run's ``config.yaml`` (``run/checkpoints/x.ckpt``)."""
+    class_path = model_class or checkpoint.get("hyper_parameters", {}).get("_class_path")
     if class_path is None:
         config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.yaml")
         if os.path.isfile(config):
             with open(config) as f:
                 class_path = (yaml.safe_load(f).get("model") or {}).get("class_path")
+    classes = _model_classes()
     if not class_path:
         raise ValueError(
             f"{path}: the checkpoint names no model class (no hyper_parameters._class_path, no "
-            "config.yaml beside the run): pass --model-class, e.g. mmssl.models.clip.CLIP"
+            f"config.yaml beside the run): pass --model-class, one of {sorted(classes)}"
         )
-    module_name, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module_name), name)
+    short = {name.rpartition(".")[2]: cls for name, cls in classes.items()}
+    cls = classes.get(class_path) or short.get(class_path)
+    if cls is None:
+        raise ValueError(
+            f"{path}: model class {class_path!r} is not one mmssl loads checkpoints into; "
+            f"choose from {sorted(classes)}"
+        )
+    return cls
 
 
 def load_lightning(path: str, model_class: Optional[str] = None) -> pl.LightningModule:
-    """Load an mmssl Lightning checkpoint with the LightningModule class recorded in it.
+    """Load an mmssl Lightning checkpoint into the allow-listed class it records.
+
+    The file is read as data only (:func:`mmssl.checkpoints.read_checkpoint`); the module is
+    built from its saved hyper-parameters, then takes its weights (strictly). ``pretrained`` /
+    ``init_encoder`` are not re-read: the checkpoint's weights replace whatever they would load.
 
     Args:
         path: the ``.ckpt`` file.
-        model_class: dotted class path overriding what the checkpoint records.
+        model_class: ``mmssl.models.mae.MAE`` or ``mmssl.models.clip.CLIP`` (or ``MAE`` /
+            ``CLIP``), overriding what the checkpoint records.
 
     Returns:
         The module on the CPU, in eval mode.
     """
-    if model_class:
-        module_name, _, name = model_class.rpartition(".")
-        cls = getattr(importlib.import_module(module_name), name)
-    else:
-        cls = _lightning_class(path, torch.load(path, map_location="cpu", weights_only=False))
-    return cls.load_from_checkpoint(path, map_location="cpu", weights_only=False).eval()
+    checkpoint = read_checkpoint(path)
+    if not isinstance(checkpoint.get("state_dict"), dict):
+        raise KeyError(f"{path} is not a Lightning checkpoint (no 'state_dict' entry): pass --model for a state dict")
+    cls = _lightning_class(path, checkpoint, model_class)
+    hparams = {k: v for k, v in checkpoint.get("hyper_parameters", {}).items() if not k.startswith("_")}
+    accepted = inspect.signature(cls.__init__).parameters
+    unknown = sorted(set(hparams) - set(accepted))
+    if unknown:
+        raise ValueError(f"{path}: hyper-parameters {unknown} are not arguments of {cls.__name__}")
+    hparams.update({k: None for k in ("pretrained", "init_encoder") if k in accepted})
+    module = cls(**hparams)
+    module.load_state_dict(checkpoint["state_dict"])
+    return module.eval()
 
 
 def is_open_clip_name(name: str) -> bool:
@@ -115,12 +136,7 @@ def load_state_dict_model(path: str, model: str, model_kwargs: Optional[dict] = 
     Returns:
         The module with the probe protocol, in eval mode.
     """
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state_dict = load_file(path)
-    else:
-        state_dict = _strip_prefix(torch.load(path, map_location="cpu", weights_only=True))
+    state_dict = read_state_dict(path)
     if is_open_clip_name(model):
         from mmssl.models.clip import CLIP  # evaluation -> models: callbacks never import this
 
@@ -144,7 +160,7 @@ def load_model(
         path: checkpoint or state-dict file.
         model: architecture of a state-dict file (open_clip name / JSON, or timm name).
         model_kwargs: ``timm.create_model`` extras.
-        model_class: LightningModule class path for checkpoints that record none.
+        model_class: ``MAE`` / ``CLIP`` (or their class paths) for checkpoints that record none.
 
     Returns:
         The module with the probe protocol, in eval mode, on the CPU.

@@ -19,6 +19,7 @@ from timm.layers import PatchEmbed, resample_abs_pos_embed
 from timm.models.vision_transformer import Block
 from torch import nn
 
+from mmssl.checkpoints import read_state_dict as read_state_dict_file
 from mmssl.models.masking import Masking, gather_tokens, random_masking
 
 log = logging.getLogger(__name__)
@@ -239,8 +240,9 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     """Read the tensors of a timm / MAE-released / mmssl checkpoint file.
 
     Accepts ``.safetensors`` or ``torch.save`` files holding a bare state dict or one under
-    ``"state_dict"`` (Lightning) or ``"model"`` (MAE releases), loaded with ``weights_only``;
-    strips DDP's ``module.`` prefix.
+    ``"state_dict"`` (Lightning) or ``"model"`` (MAE releases), read by the package's one safe
+    reader (:func:`mmssl.checkpoints.read_state_dict`: weights only, no pickled code); strips
+    DDP's ``module.`` prefix.
 
     Args:
         path: local file.
@@ -250,17 +252,7 @@ def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"init_encoder: no such checkpoint file: {path}")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        state = load_file(path)
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    for key in ("state_dict", "model"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-            break
-    return {k.removeprefix("module."): v for k, v in state.items()}
+    return read_state_dict_file(path)
 
 
 def read_state_dict(path: str) -> dict[str, torch.Tensor]:

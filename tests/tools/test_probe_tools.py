@@ -9,6 +9,7 @@ import pytest
 import timm
 import torch
 
+from mmssl.checkpoints import read_checkpoint
 from mmssl.cli import main
 from mmssl.models.clip import CLIP
 
@@ -54,7 +55,7 @@ def test_zero_shot_tool_on_lightning_and_open_clip_files(lightning_ckpt, tiny_de
                               "--output-json", str(tmp_path / "a.json")], monkeypatch)
     from_ckpt = json.loads((tmp_path / "a.json").read_text())
     # The same weights as a plain open_clip state dict give the same figures.
-    state = torch.load(lightning_ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    state = read_checkpoint(str(lightning_ckpt))["state_dict"]
     open_clip_sd = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     torch.save(open_clip_sd, tmp_path / "open_clip.pt")
     run_tool("zero_shot.py", ["--ckpt", str(tmp_path / "open_clip.pt"), "--model", tiny_clip_json,
@@ -63,6 +64,13 @@ def test_zero_shot_tool_on_lightning_and_open_clip_files(lightning_ckpt, tiny_de
     assert from_ckpt["num_samples"] == 32 and from_ckpt["num_templates"] == 5
     for key in ("top1", "top5", "num_samples"):
         assert from_ckpt[key] == pytest.approx(from_state_dict[key])
+
+
+def test_fit_checkpoint_needs_no_allow_listed_type(lightning_ckpt):
+    # What `mmssl fit` writes loads under torch's weights-only set alone, so SAFE_GLOBALS stays empty.
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(str(lightning_ckpt)) == []
+    checkpoint = read_checkpoint(str(lightning_ckpt))
+    assert checkpoint["hyper_parameters"]["_class_path"] == "mmssl.models.clip.CLIP"
 
 
 def test_linear_probe_tool_on_timm_state_dict(tiny_demo, tmp_path, monkeypatch):
