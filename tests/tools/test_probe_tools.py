@@ -70,7 +70,7 @@ def test_fit_checkpoint_needs_no_allow_listed_type(lightning_ckpt):
     # What `mmssl fit` writes loads under torch's weights-only set alone, so SAFE_GLOBALS stays empty.
     assert torch.serialization.get_unsafe_globals_in_checkpoint(str(lightning_ckpt)) == []
     checkpoint = read_checkpoint(str(lightning_ckpt))
-    assert checkpoint["hyper_parameters"]["_class_path"] == "mmssl.models.clip.CLIP"
+    assert checkpoint["state_dict"] and checkpoint["hyper_parameters"]["model_name"]
 
 
 def test_linear_probe_tool_on_timm_state_dict(tiny_demo, tmp_path, monkeypatch):
