@@ -65,12 +65,14 @@ def _offending_globals(path: str) -> list[str]:
     return sorted({name for name in found if name not in allowed})
 
 
-def read_checkpoint(path: str) -> dict[str, Any]:
+def read_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
     """Read a checkpoint file as plain data: tensors, dicts, lists, numbers, strings.
 
     Args:
         path: a ``.safetensors`` file, or a ``torch.save`` file (``.ckpt``, ``.pth``, ``.pt``,
             ``.bin``) such as a Lightning checkpoint or a bare state dict.
+        mmap: map a zip-format file's tensors instead of reading them (cheap look-ups of one
+            entry, e.g. ``global_step``, in a large checkpoint).
 
     Returns:
         The file's top-level dict (a Lightning checkpoint, or a state dict).
@@ -88,7 +90,7 @@ def read_checkpoint(path: str) -> dict[str, Any]:
         return load_file(path)
     try:
         with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError:
         names = _offending_globals(path)
         what = ", ".join(names) if names else "an object that is not a tensor or plain data"

@@ -164,5 +164,7 @@ def test_read_state_dict_unwraps_and_reads_safetensors(tmp_path):
         assert got.keys() == state.keys()
         for k in state:
             torch.testing.assert_close(got[k], state[k])
+    mapped = read_checkpoint(str(tmp_path / "ddp.pth"), mmap=True)["model"]
+    torch.testing.assert_close(mapped["module.w"], state["w"])
     with pytest.raises(FileNotFoundError, match="none.pth"):
         read_checkpoint(str(tmp_path / "none.pth"))
