@@ -22,11 +22,12 @@ import torch
 # Types besides torch's own weights_only set that a checkpoint may pickle and mmssl accepts.
 # Measured on checkpoints written by `mmssl fit` (configs/demo/{mae,clip}.yaml, ModelCheckpoint
 # and LearningRateMonitor plus the always-on callbacks) with
-# torch.serialization.get_unsafe_globals_in_checkpoint: none is needed. Hyper-parameters are saved
+# torch.serialization.get_unsafe_globals_in_checkpoint: none is needed (Lightning 2.2 and 2.6). Hyper-parameters are saved
 # as a plain dict without the optimizer callable (save_hyperparameters(ignore=["optimizer"])), and
 # RNGState stores lists rather than numpy arrays. Keep it empty unless a checkpoint of ours needs
 # a type, and then add only that pure-data type (never a callable).
 SAFE_GLOBALS: tuple[Any, ...] = ()
+
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint file pickles an object outside the allow-list; nothing of it was run."""
@@ -93,7 +94,7 @@ def read_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
             state = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError:
         names = _offending_globals(path)
-        what = ", ".join(names) if names else "an object that is not a tensor or plain data"
+        what = ", ".join(names) if names else "content torch's weights-only unpickler does not accept"
         raise UnsafeCheckpointError(
             f"{path}: refused to load: the file pickles {what}, which mmssl does not allow "
             "(checkpoints are read with torch.load(weights_only=True); only tensors, containers "
