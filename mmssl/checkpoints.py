@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 # Types besides torch's own weights_only set that a checkpoint may pickle and mmssl accepts.
-# Measured on checkpoints written by `mmssl fit` (configs/demo/{mae,clip}.yaml, ModelCheckpoint
-# and LearningRateMonitor plus the always-on callbacks) with
-# torch.serialization.get_unsafe_globals_in_checkpoint: none is needed (Lightning 2.2 and 2.6). Hyper-parameters are saved
-# as a plain dict without the optimizer callable (save_hyperparameters(ignore=["optimizer"])), and
-# RNGState stores lists rather than numpy arrays. Keep it empty unless a checkpoint of ours needs
-# a type, and then add only that pure-data type (never a callable).
+# Measured with torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints written by
+# `mmssl fit` (configs/demo/{mae,clip}.yaml, ModelCheckpoint and LearningRateMonitor plus the
+# always-on callbacks; Lightning 2.6, and the CLIP one under 2.2.0 too): none is needed.
+# Hyper-parameters are saved as a plain dict without the optimizer callable
+# (save_hyperparameters(ignore=["optimizer"])), and RNGState stores lists rather than numpy
+# arrays. Keep it empty unless a checkpoint of ours needs a type, and then add only that
+# pure-data type (never a callable).
 SAFE_GLOBALS: tuple[Any, ...] = ()
 
 
