@@ -22,6 +22,7 @@ from open_clip.transformer import text_global_pool
 from torch import Tensor
 from torchmetrics import MeanMetric, MetricCollection
 
+from mmssl.checkpoints import read_checkpoint
 from mmssl.data.decode import trim_text_padding
 from mmssl.distributed import gather_with_grad, rank, seed_per_rank
 from mmssl.evaluation.retrieval import RECALL_AT, distributed_retrieval_hits
@@ -90,7 +91,7 @@ def _checkpoint_has(path: str, key: str) -> bool:
 
         with safe_open(path, framework="pt") as f:
             return key in f.keys()
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    state = read_checkpoint(path, mmap=True)
     state = state.get("state_dict", state)
     return any(k == key or k.endswith("." + key) for k in state)
 
