@@ -13,7 +13,6 @@ import sys
 from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -24,6 +23,7 @@ from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.log_step import LogStepOnResume
 from mmssl.callbacks.rng_state import RNGState
 from mmssl.callbacks.summary import RunSummary
+from mmssl.checkpoints import read_checkpoint
 from mmssl.signals import install_sigterm_watchdog
 
 
@@ -136,7 +136,7 @@ def resume_checkpoint(root: str, version: Optional[int], ckpt_path: Optional[str
 
 def checkpoint_step(path: str) -> int:
     """``global_step`` of a Lightning checkpoint (memory-mapped: the weights are not read)."""
-    return int(torch.load(path, map_location="cpu", mmap=True, weights_only=True)["global_step"])
+    return int(read_checkpoint(path, mmap=True)["global_step"])
 
 
 def default_loggers(root: str, resume: bool = False, resume_step: Optional[int] = None) -> list:
