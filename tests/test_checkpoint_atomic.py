@@ -7,6 +7,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 
+from mmssl.checkpoints import read_checkpoint
+
 
 def test_crash_mid_write_keeps_previous_last_ckpt(tmp_path, monkeypatch):
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True, save_top_k=0)
@@ -14,7 +16,7 @@ def test_crash_mid_write_keeps_previous_last_ckpt(tmp_path, monkeypatch):
                          enable_model_summary=False)
     trainer.fit(BoringModel())
     last = tmp_path / "last.ckpt"
-    good = torch.load(last, weights_only=False)
+    good = read_checkpoint(str(last))
     assert good["global_step"] == 2
 
     real_write = local_fs.LocalFileOpener.write
@@ -30,7 +32,7 @@ def test_crash_mid_write_keeps_previous_last_ckpt(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk gone"):
         trainer.fit(BoringModel(), ckpt_path=str(last))
     monkeypatch.undo()
-    after = torch.load(last, weights_only=False)  # still loads: no half-written file replaced it
+    after = read_checkpoint(str(last))  # still loads: no half-written file replaced it
     assert after["global_step"] == 2
     for key, value in good["state_dict"].items():
         assert torch.equal(after["state_dict"][key], value)

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from PIL import Image
 from shard_helpers import count_tokenizer, write_dataset, write_tar
 
+from mmssl.checkpoints import read_checkpoint
 from mmssl.data.pipeline import worker_batches
 from mmssl.data.state import StreamPosition
 from mmssl.data.webdataset import ImageTextDataModule
@@ -283,7 +284,7 @@ def test_a_resume_from_the_last_batch_of_an_epoch_reads_the_next_epoch(tmp_path,
     first, resumed = _Recorder(), _Recorder()
     save = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=16, save_last=True)  # 16 steps an epoch
     pl.Trainer(max_steps=16, callbacks=[save], **common).fit(first, datamodule=_module(data, workers, batch_size=4))
-    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    state = read_checkpoint(str(tmp_path / "ckpt" / "last.ckpt"))
     before = torch.random.get_rng_state()
     pl.Trainer(max_epochs=2, **common).fit(resumed, datamodule=_module(data, workers, batch_size=4),
                                            ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
