@@ -28,7 +28,10 @@ from mmssl.models.vit import (
     sincos_pos_embed_2d,
 )
 from mmssl.models._logging import logging_step
-from mmssl.optim import param_groups, warmup_cosine
+from mmssl.optim import NDIM_LT_2, param_groups, record_shapes, unmatched_patterns, warmup_cosine
+
+# timm 0.3.2 add_weight_decay, as main_pretrain.py calls it: len(shape) == 1 or name.endswith(".bias").
+MAE_NO_DECAY: tuple[str, ...] = (NDIM_LT_2, "*.bias")
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -174,6 +177,12 @@ class MAE(LightningModule):
             ``MAE.load_from_checkpoint(..., init_encoder=None)`` skips it when the file is gone.
         image_mean: per-channel mean the data is normalised with (linked to the data module).
         image_std: per-channel std, likewise.
+        no_weight_decay: parameters not decayed: ``fnmatch`` globs on ``named_parameters()``
+            names plus ``"ndim<2"`` (every parameter built with fewer than 2 dims), decided from
+            shapes recorded at build time so FSDP's flattening does not change it. Default: the
+            official pretraining's rule (``main_pretrain.py`` -> timm 0.3.2 ``add_weight_decay``
+            with an empty skip list: 1-D or ``.bias``), so ``cls_token`` and ``mask_token`` are
+            decayed; ``pos_embed`` is fixed sin-cos and not trained at all.
     """
 
     tokenizer = None  # images only; the CLI links this into the data module
@@ -198,6 +207,7 @@ class MAE(LightningModule):
         init_encoder: Optional[str] = None,
         image_mean: tuple[float, float, float] = IMAGENET_MEAN,
         image_std: tuple[float, float, float] = IMAGENET_STD,
+        no_weight_decay: Optional[list[str]] = None,
     ) -> None:
         super().__init__()
         # Reject a ratio of 0 too: with nothing masked the loss has no targets.
@@ -220,6 +230,11 @@ class MAE(LightningModule):
             self.encoder.num_patches, patch_size, embed_dim,
             decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio,
         )
+        self.no_weight_decay = list(MAE_NO_DECAY if no_weight_decay is None else no_weight_decay)
+        self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
+        unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
+        if unmatched:
+            raise ValueError(f"model.no_weight_decay: {unmatched} match no parameter of the MAE")
         if init_encoder:
             load_encoder(self.encoder, init_encoder)
             if load_decoder(self.decoder, init_encoder):
@@ -354,7 +369,7 @@ class MAE(LightningModule):
         return int(per_device) * trainer.world_size * trainer.accumulate_grad_batches
 
     def configure_optimizers(self) -> dict:
-        optimizer = self.optimizer(param_groups(self))
+        optimizer = self.optimizer(param_groups(self, self.no_weight_decay, self._param_ndim))
         # Estimating the steps loads the train dataloader, which the batch-size fallback reads.
         total_steps = self.trainer.estimated_stepping_batches
         if self.blr is not None:

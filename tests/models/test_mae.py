@@ -97,7 +97,11 @@ def test_blr_scaling_groups_and_schedule(tmp_path):
     decayed, plain = optimizer.param_groups
     assert plain["weight_decay"] == 0.0 and decayed["weight_decay"] == 0.05
     no_decay = {id(p) for p in plain["params"]}
-    for name in ("encoder.cls_token", "decoder.mask_token", "encoder.blocks.0.norm1.weight", "decoder.pred.bias"):
+    # Official pretraining (timm 0.3.2 add_weight_decay, empty skip list): 1-D and biases only.
+    for name in ("encoder.blocks.0.norm1.weight", "decoder.pred.bias"):
         assert id(model.get_parameter(name)) in no_decay, name
+    for name in ("encoder.cls_token", "decoder.mask_token", "decoder.embed.weight"):
+        assert id(model.get_parameter(name)) not in no_decay, name
+    assert not model.encoder.pos_embed.requires_grad  # fixed sin-cos: in no group
     assert trainer.lr_scheduler_configs[0].interval == "step"
     assert "val/loss" in trainer.callback_metrics and "train/loss" in trainer.callback_metrics
