@@ -28,6 +28,7 @@ from mmssl.distributed import gather_with_grad, rank, seed_per_rank
 from mmssl.evaluation.retrieval import RECALL_AT, distributed_retrieval_hits
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.flip import install_flip_masking
+from mmssl.models.gradcache import cached_features
 from mmssl.models._logging import logging_step
 from mmssl.optim import param_groups, warmup_cosine
 
@@ -123,6 +124,11 @@ class CLIP(pl.LightningModule):
             Exact: with a causal text tower and end-of-text pooling the output is unchanged
             (tested); ``None`` switches it on exactly when that holds, ``True`` insists (and fails
             for a tower where it would change the output), ``False`` keeps the full context.
+        contrastive_chunk_size: GradCache (Gao et al. 2021): in training, run the towers this
+            many samples at a time and rebuild each chunk's activations in the backward, so
+            memory grows with the chunk, not the per-device batch, while the loss and every
+            gradient stay those of the whole batch (``mmssl.models.gradcache``); costs one
+            more forward of the towers per step. ``None``: the whole batch at once.
     """
 
     def __init__(
@@ -141,6 +147,7 @@ class CLIP(pl.LightningModule):
         min_lr_ratio: float = 0.0,
         logit_scale_max: float = 100.0,
         trim_text_padding: Optional[bool] = None,
+        contrastive_chunk_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -184,6 +191,9 @@ class CLIP(pl.LightningModule):
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.logit_scale_max = logit_scale_max
         self.unmasked_tune_steps = unmasked_tune_steps
+        if contrastive_chunk_size is not None and contrastive_chunk_size < 1:
+            raise ValueError(f"model.contrastive_chunk_size must be >= 1 (or null), got {contrastive_chunk_size}")
+        self.contrastive_chunk_size = contrastive_chunk_size
         self._val_features: list[tuple[Tensor, Tensor]] = []
         self.val_loss = MeanMetric()  # sum and count of the validation loss, reduced over ranks
         # Held-out retrieval recall as hits and queries summed over ranks (val/i2t_R@1, ...).
@@ -257,15 +267,22 @@ class CLIP(pl.LightningModule):
 
     def forward(self, images: Tensor, tokens: Tensor) -> dict[str, Tensor]:
         """Returns ``image_features`` (B, D), ``text_features`` (B, D), ``logit_scale`` () and,
-        for SigLIP, ``logit_bias`` (): open_clip's ``output_dict`` (scale already exponentiated)."""
-        out = {
-            "image_features": self.encode_image(images),
-            "text_features": self.encode_text(tokens),
-            "logit_scale": self.model.logit_scale.exp(),
-        }
+        for SigLIP, ``logit_bias`` (): open_clip's ``output_dict`` (scale already exponentiated).
+
+        In training mode with ``contrastive_chunk_size`` the features come chunk by chunk with
+        their activations rebuilt in the backward (GradCache): the same values and gradients."""
+        if self.training and self.contrastive_chunk_size is not None:
+            image, text = cached_features(self._encode_pair, images, tokens, self.contrastive_chunk_size)
+        else:
+            image, text = self.encode_image(images), self.encode_text(tokens)
+        out = {"image_features": image, "text_features": text, "logit_scale": self.model.logit_scale.exp()}
         if self.model.logit_bias is not None:
             out["logit_bias"] = self.model.logit_bias
         return out
+
+    def _encode_pair(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """(b, 3, H, W), (b, L) -> (b, D) image and (b, D) text features: one GradCache chunk."""
+        return self.encode_image(images), self.encode_text(tokens)
 
     # Loss ----------------------------------------------------------------------------------------
 
