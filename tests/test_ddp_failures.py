@@ -58,7 +58,7 @@ def test_a_bad_evaluation_set_stops_every_rank_at_start(tmp_path, tiny_demo, tin
     """A labelled set without classnames.txt: both ranks fail in setup, naming the key, none waits."""
     unnamed = tmp_path / "unnamed"
     unnamed.mkdir()
-    shutil.copy(os.path.join(os.path.dirname(tiny_demo.val), "00000.tar"), unnamed / "00000.tar")
+    shutil.copy(os.path.join(os.path.dirname(tiny_demo.val), "0.tar"), unnamed / "0.tar")
     out = run_mmssl([
         "fit", "--config", str(REPO / "configs/demo/clip.yaml"), "--config", str(REPO / "configs/trainer/ddp_cpu.yaml"),
         "--trainer.strategy.init_args.timeout=0:00:30", f"--model.init_args.model_name={tiny_clip_json}",

@@ -3,11 +3,13 @@
     apt-get install dataset-fashion-mnist     # idx files in /usr/share/datasets/fashion-mnist
     python tools/fashion_mnist.py --output data/fashion_mnist
 
-writes ``train/`` (60000 samples, 12 shards) and ``test/`` (10000, 2 shards), each a folder of shards
-``{00000..}.tar`` whose samples hold ``png`` (the 28x28 grey image, lossless), ``txt`` (a caption
-naming the class), ``cls`` (label index), plus ``sizes.json`` (samples per shard, open_clip's
-convention), ``classnames.txt`` and ``zeroshot_classification_templates.txt`` (the files
-clip_benchmark reads), so each folder serves ``--data.train_data``, zero-shot and probes alike.
+writes a clip_benchmark ``wds/`` set: ``train/`` (60000 samples, 12 shards) and ``test/`` (10000,
+2 shards), each a folder of shards ``0.tar ..`` whose samples hold ``png`` (the 28x28 grey image,
+lossless), ``txt`` (a caption naming the class), ``cls`` (label index), plus ``nshards.txt``
+(clip_benchmark's) and ``sizes.json`` (samples per shard, open_clip's); ``classnames.txt`` and
+``zeroshot_classification_templates.txt`` lie at the output root, where clip_benchmark reads
+them. Each split folder serves ``--data.train_data``, zero-shot and probes alike, and
+``clip_benchmark eval --dataset wds/fashion_mnist --dataset_root OUTPUT`` reads the test split.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import webdataset as wds
 from PIL import Image
+
+from mmssl.data.labeled import CLASSNAMES_FILE, NSHARDS_FILE, TEMPLATES_FILE, write_clip_benchmark_files
 
 DEFAULT_SOURCE = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 # Label order of the idx files (Xiao et al. 2017, github.com/zalandoresearch/fashion-mnist).
@@ -96,12 +100,13 @@ def find_idx(source: str, prefix: str, kind: str) -> str:
 
 
 def write_split(images: np.ndarray, labels: np.ndarray, folder: Path, shard_size: int, seed: int) -> dict[str, int]:
-    """Write one split as shards plus the clip_benchmark side files.
+    """Write one split as shards plus the clip_benchmark side files (class names and templates in
+    ``folder``'s parent, the set's root).
 
     Args:
         images: (N, 28, 28) uint8.
         labels: (N,) label indices into :data:`CLASSNAMES`.
-        folder: output folder (created).
+        folder: the split's folder ``OUTPUT/{split}`` (created).
         shard_size: samples per shard.
         seed: caption-choice seed (the same seed gives byte-identical shards).
 
@@ -113,11 +118,11 @@ def write_split(images: np.ndarray, labels: np.ndarray, folder: Path, shard_size
     if labels.size and (labels.min() < 0 or labels.max() >= len(CLASSNAMES)):
         raise ValueError(f"{folder.name}: labels outside 0..{len(CLASSNAMES) - 1}")
     folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("*.tar"):
-        old.unlink()
+    for old in [*folder.glob("*.tar"), *(folder / n for n in (CLASSNAMES_FILE, TEMPLATES_FILE, NSHARDS_FILE))]:
+        old.unlink(missing_ok=True)  # an earlier run's shards and side files
     rng = random.Random(seed)
     # Fixed mtime, USTAR, as mmssl's demo writer: identical bytes for identical inputs.
-    with wds.ShardWriter(str(folder / "%05d.tar"), maxcount=shard_size, verbose=0, mtime=0,
+    with wds.ShardWriter(str(folder / "%d.tar"), maxcount=shard_size, verbose=0, mtime=0,
                          format=tarfile.USTAR_FORMAT) as sink:  # fmt: skip
         for i, (image, label) in enumerate(zip(images, labels)):
             buf = io.BytesIO()
@@ -130,10 +135,9 @@ def write_split(images: np.ndarray, labels: np.ndarray, folder: Path, shard_size
                 "cls": str(int(label)),
             })
     n = len(images)
-    sizes = {f"{i:05d}.tar": min(shard_size, n - i * shard_size) for i in range((n + shard_size - 1) // shard_size)}
+    sizes = {f"{i}.tar": min(shard_size, n - i * shard_size) for i in range((n + shard_size - 1) // shard_size)}
     (folder / "sizes.json").write_text(json.dumps(sizes))
-    (folder / "classnames.txt").write_text("\n".join(CLASSNAMES) + "\n")
-    (folder / "zeroshot_classification_templates.txt").write_text("\n".join(ZERO_SHOT_TEMPLATES) + "\n")
+    write_clip_benchmark_files(str(folder.parent), folder.name, CLASSNAMES, ZERO_SHOT_TEMPLATES)
     return sizes
 
 

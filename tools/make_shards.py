@@ -4,15 +4,34 @@
     python tools/make_shards.py --table pairs.tsv --output shards/ --shard-size 5000 --resize 256
 
 A folder holds one sub-folder per class: each image gets ``cls`` (class index, folders sorted)
-and a caption from the template; ``classnames.txt`` is written too. A table has rows
-``path,caption[,label]``. Samples are shuffled across the shards (``--seed``; ``--no-shuffle``
-keeps the input order), so no shard holds one class. Writes ``sizes.json`` beside the shards.
+and a caption from the template, and the output is a clip_benchmark ``wds/`` set:
+``OUTPUT/{split}/0.tar ..`` with ``nshards.txt`` (``--split``, default ``train``), and
+``classnames.txt`` plus ``zeroshot_classification_templates.txt`` (the caption template) at
+``OUTPUT``, so ``clip_benchmark eval --dataset wds/NAME --dataset_root OUTPUT --split train`` and
+mmssl's tools both read it. A table has rows ``path,caption[,label]`` and writes its shards to
+``OUTPUT`` itself (``OUTPUT/{split}`` in the clip_benchmark layout with ``--split``). Samples are
+shuffled across the shards (``--seed``; ``--no-shuffle`` keeps the input order), so no shard
+holds one class. Writes ``sizes.json`` beside the shards.
 """
 
 import argparse
+import json
+import os
 from pathlib import Path
 
+from mmssl.data.labeled import write_clip_benchmark_files
 from mmssl.data.shards import folder_items, shuffled, table_items, write_shards
+
+
+def number_shards(folder: str, sizes: dict[str, int]) -> dict[str, int]:
+    """Rename ``00000.tar ..`` (what ``write_shards`` writes) to clip_benchmark's ``0.tar ..``
+    and rewrite ``sizes.json``; returns the new sizes."""
+    renamed = {}
+    for i, (name, count) in enumerate(sorted(sizes.items())):
+        os.replace(os.path.join(folder, name), os.path.join(folder, f"{i}.tar"))
+        renamed[f"{i}.tar"] = count
+    Path(folder, "sizes.json").write_text(json.dumps(renamed, indent=1))
+    return renamed
 
 
 def main(argv=None) -> None:
@@ -21,23 +40,35 @@ def main(argv=None) -> None:
     source.add_argument("--folder", help="image folder with one sub-folder per class")
     source.add_argument("--table", help="CSV/TSV with path,caption[,label]")
     parser.add_argument("--output", required=True, help="output folder")
+    parser.add_argument("--split", help="clip_benchmark split folder (default with --folder: train)")
     parser.add_argument("--template", default="a photo of a {c}.", help="caption template ({c}: class)")
     parser.add_argument("--shard-size", type=int, default=10000, help="samples per shard")
     parser.add_argument("--resize", type=int, default=None, help="shrink the short side to this")
-    parser.add_argument("--prefix", default="", help="shard file name prefix")
+    parser.add_argument("--prefix", default="", help="shard file name prefix (not with --split)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the shuffle across shards")
     parser.add_argument("--no-shuffle", action="store_true", help="write samples in input order")
     args = parser.parse_args(argv)
+    names = None
     if args.folder:
+        if "{c}" not in args.template:
+            parser.error(f"--template {args.template!r} has no '{{c}}' for the class name")
         items, names = folder_items(args.folder, args.template)
-        Path(args.output).mkdir(parents=True, exist_ok=True)
-        Path(args.output, "classnames.txt").write_text("\n".join(names) + "\n")
+        args.split = args.split or "train"
     else:
         items = table_items(args.table)
+    if args.split and args.prefix:
+        parser.error("--prefix: clip_benchmark's layout names its shards 0.tar, 1.tar, ...")
     if not args.no_shuffle:
         items = shuffled(items, args.seed)
-    sizes = write_shards(items, args.output, args.shard_size, args.resize, args.prefix, total=len(items))
-    print(f"wrote {sum(sizes.values())} samples in {len(sizes)} shards to {args.output}")
+    out = os.path.join(args.output, args.split) if args.split else args.output
+    if args.split:
+        for stale in Path(out).glob("*.tar"):  # an earlier run's shards would be read beside the new
+            stale.unlink()
+    sizes = write_shards(items, out, args.shard_size, args.resize, args.prefix, total=len(items))
+    if args.split:
+        sizes = number_shards(out, sizes)
+        write_clip_benchmark_files(args.output, args.split, names, [args.template] if names else None)
+    print(f"wrote {sum(sizes.values())} samples in {len(sizes)} shards to {out}")
 
 
 if __name__ == "__main__":

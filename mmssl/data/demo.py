@@ -7,9 +7,10 @@ an MAE must model shapes, colours and backgrounds. Generation is deterministic: 
 sizes give byte-identical shards (fixed tar mtime, fixed JPEG settings, one seeded RNG).
 
 Written in the img2dataset layout (``{key}.jpg``, ``{key}.txt``, ``{key}.cls``) as webdataset
-shards, plus a labelled held-out split laid out as clip_benchmark reads it (``classnames.txt``,
-``zeroshot_classification_templates.txt``), so the zero-shot callback and external tools can
-both use it.
+shards, the whole folder laid out as clip_benchmark's ``wds/`` sets (``train/`` and ``val/``
+splits of ``0.tar ..`` with ``nshards.txt``; ``classnames.txt`` and
+``zeroshot_classification_templates.txt`` at the root), so the zero-shot callback and
+``clip_benchmark eval --dataset wds/demo --dataset_root ROOT --split val`` both read it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pathlib import Path
 
 import webdataset as wds
 from PIL import Image, ImageDraw
+
+from mmssl.data.labeled import (CLASSNAMES_FILE, NSHARDS_FILE, TEMPLATES_FILE, clip_benchmark_shard_pattern,
+                                 write_clip_benchmark_files)
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "diamond")
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -66,7 +70,7 @@ DEFAULT_DEMO_DIR = os.path.join(
     os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")), "mmssl", "demo"
 )
 # Bump when the generator's output changes, so stale caches are not reused.
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -77,8 +81,9 @@ class DemoData:
         root: the folder holding everything below.
         train: brace pattern of the training shards.
         val: brace pattern of the held-out image-text shards (also labelled with ``.cls``).
-        eval_dir: the labelled held-out split in clip_benchmark layout (shards + class names +
-            templates); the zero-shot and probe callbacks read it.
+        eval_dir: the labelled held-out split, ``root/val``: a clip_benchmark ``wds/`` split
+            (shards ``0.tar ..`` + ``nshards.txt``; class names and templates at ``root``); the
+            zero-shot and probe callbacks read it.
         classnames: class names, in label order.
     """
 
@@ -215,22 +220,23 @@ def ensure_demo_data(
     if not (marker.exists() and json.loads(marker.read_text()) == settings):
         for d in (train_dir, eval_dir):
             d.mkdir(parents=True, exist_ok=True)
-            for old in d.glob("*.tar"):
-                old.unlink()
-        for folder, count, split_seed, prefix in ((train_dir, num_train, seed, "t"), (eval_dir, num_val, seed + 1, "v")):
-            n = _write_split(str(folder / "%05d.tar"), count, shard_size, split_seed, image_size, prefix)
+            # Older generators' shards and side files: stale names would be read beside the new.
+            for old in [*d.glob("*.tar"), *(d / n for n in (CLASSNAMES_FILE, TEMPLATES_FILE, NSHARDS_FILE))]:
+                old.unlink(missing_ok=True)
+        for split, count, split_seed, prefix in (("train", num_train, seed, "t"), ("val", num_val, seed + 1, "v")):
+            pattern = clip_benchmark_shard_pattern(str(root_path), split)
+            n = _write_split(pattern, count, shard_size, split_seed, image_size, prefix)
             # sizes.json as open_clip reads it: samples per shard, for the epoch length.
-            sizes = {f"{i:05d}.tar": min(shard_size, count - i * shard_size) for i in range(n)}
-            (folder / "sizes.json").write_text(json.dumps(sizes))
-        (eval_dir / "classnames.txt").write_text("\n".join(demo_classnames()) + "\n")
-        (eval_dir / "zeroshot_classification_templates.txt").write_text("\n".join(ZERO_SHOT_TEMPLATES) + "\n")
+            sizes = {f"{i}.tar": min(shard_size, count - i * shard_size) for i in range(n)}
+            (root_path / split / "sizes.json").write_text(json.dumps(sizes))
+            write_clip_benchmark_files(str(root_path), split, demo_classnames(), ZERO_SHOT_TEMPLATES)
         marker.write_text(json.dumps(settings))
     n_train = len(list(train_dir.glob("*.tar")))
     n_val = len(list(eval_dir.glob("*.tar")))
     return DemoData(
         root=str(root_path),
-        train=str(train_dir / f"{{00000..{n_train - 1:05d}}}.tar"),
-        val=str(eval_dir / f"{{00000..{n_val - 1:05d}}}.tar"),
+        train=str(train_dir / f"{{0..{n_train - 1}}}.tar"),
+        val=str(eval_dir / f"{{0..{n_val - 1}}}.tar"),
         eval_dir=str(eval_dir),
         classnames=demo_classnames(),
     )

@@ -1,14 +1,26 @@
-"""Labelled evaluation sets, in the two layouts users have: shards with ``cls`` and class folders.
+"""Labelled evaluation sets, in the layouts users have: clip_benchmark ``wds/`` folders, shard
+folders with ``cls``, and class folders.
 
-1. **Webdataset shards** (the layout clip_benchmark reads): a folder of ``*.tar`` shards (or a
-   brace pattern / ``::``-joined list) whose samples carry an image and ``cls`` (the label index),
-   plus ``classnames.txt`` (one class name per line, in label order) and, optionally,
-   ``zeroshot_classification_templates.txt`` (one prompt per line with ``{c}`` for the class).
-2. **Image folders** (torchvision ``ImageFolder``, the ImageNet layout): one sub-folder per class;
+1. **clip_benchmark's webdataset layout** (``clip_benchmark eval --dataset wds/NAME
+   --dataset_root DIR``; its ``datasets/builder.py`` ``build_wds_dataset``)::
+
+       DIR/classnames.txt                          one class name per line, in label order
+       DIR/zeroshot_classification_templates.txt   one prompt per line with ``{c}`` (optional)
+       DIR/{split}/nshards.txt                     N, the number of shards
+       DIR/{split}/0.tar .. DIR/{split}/{N-1}.tar  samples with an image (webp/png/jpg/jpeg) and ``cls``
+
+   mmssl takes either ``DIR/{split}`` or ``DIR`` (meaning its ``test`` split, clip_benchmark's
+   default ``--split``), reads the shards in clip_benchmark's order (``0.tar`` .. ``N-1.tar``,
+   as ``nshards.txt`` says) and the class names and templates from the split folder if they are
+   there, else from ``DIR``. Every labelled set mmssl writes is laid out this way
+   (:func:`write_clip_benchmark_files`).
+2. **A folder of ``*.tar`` shards** (or a brace pattern / ``::``-joined list) whose samples carry
+   an image and ``cls``, with ``classnames.txt`` (and the optional templates file) beside the
+   shards: mmssl's earlier layout, still read.
+3. **Image folders** (torchvision ``ImageFolder``, the ImageNet layout): one sub-folder per class;
    labels follow the sorted folder names, and class names come from ``classnames.txt`` when
    present, else from the folder names.
 
-One folder thus serves mmssl's zero-shot and probe callbacks, the offline tools and clip_benchmark.
 Each rank reads its own part (shards ``rank::world`` or images ``rank::world``); the callbacks
 gather or reduce the results, so nothing is counted twice, and unreadable samples are skipped and
 counted, never dropped silently.
@@ -42,16 +54,90 @@ CLASSNAMES_FILE = "classnames.txt"
 TEMPLATES_FILE = "zeroshot_classification_templates.txt"
 
 
-def _meta_folder(data: str) -> str:
-    """Folder holding ``classnames.txt``: the set itself, or the folder of its first shard."""
-    if os.path.isdir(data):
+NSHARDS_FILE = "nshards.txt"
+DEFAULT_SPLIT = "test"  # clip_benchmark's default --split
+
+
+def is_wds_split(folder: str) -> bool:
+    """True when ``folder`` is a split of a clip_benchmark ``wds/`` set (it holds ``nshards.txt``)."""
+    return os.path.isfile(os.path.join(folder, NSHARDS_FILE))
+
+
+def _wds_splits(folder: str) -> list[str]:
+    """The clip_benchmark splits (sub-folders with ``nshards.txt``) of a folder, sorted."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(e for e in os.listdir(folder) if is_wds_split(os.path.join(folder, e)))
+
+
+def resolve_labeled(data: str, split: str = DEFAULT_SPLIT) -> str:
+    """The shards of a labelled set: a clip_benchmark root ``DIR`` becomes ``DIR/{split}``.
+
+    Args:
+        data: a labelled set in any layout of this module.
+        split: the split a clip_benchmark root stands for (clip_benchmark's default, ``test``).
+
+    Returns:
+        ``data`` itself, or its split folder when ``data`` is a clip_benchmark root.
+
+    Raises:
+        FileNotFoundError: ``data`` is a clip_benchmark root without that split.
+    """
+    splits = _wds_splits(data)
+    if not splits or is_wds_split(data):
         return data
-    return os.path.dirname(expand_urls(data)[0])
+    if split not in splits:
+        raise FileNotFoundError(
+            f"labelled set {data!r} is a clip_benchmark wds/ folder without a {split!r} split "
+            f"(it has {splits}): pass {os.path.join(data, splits[0])!r} or another split folder"
+        )
+    return os.path.join(data, split)
+
+
+def shard_urls(data: str) -> list[str]:
+    """Every shard of a labelled set, in the order clip_benchmark reads them.
+
+    A clip_benchmark split reads ``0.tar .. N-1.tar`` with N from ``nshards.txt`` (numeric order,
+    where a plain folder listing sorts ``10.tar`` before ``2.tar``); anything else goes through
+    :func:`mmssl.data.sources.expand_urls`.
+
+    Raises:
+        FileNotFoundError: ``nshards.txt`` names shards that are not there.
+        ValueError: ``nshards.txt`` does not hold a positive integer.
+    """
+    data = resolve_labeled(data)
+    if not (os.path.isdir(data) and is_wds_split(data)):
+        return expand_urls(data)
+    path = os.path.join(data, NSHARDS_FILE)
+    with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{path}: expected the number of shards, found {text[:20]!r}")
+    urls = [os.path.join(data, f"{i}.tar") for i in range(int(text))]
+    missing = [u for u in urls if not os.path.isfile(u)]
+    if missing:
+        raise FileNotFoundError(f"{path} says {text} shards (0.tar .. {int(text) - 1}.tar), but {missing[:3]} are missing")
+    return urls
+
+
+def _meta_folders(data: str) -> list[str]:
+    """Folders that may hold ``classnames.txt`` and the templates, first match wins: the shards'
+    folder, then, for a clip_benchmark split, the set's root (where clip_benchmark reads them)."""
+    data = resolve_labeled(data)
+    folder = data if os.path.isdir(data) else os.path.dirname(expand_urls(data, must_exist=False)[0])
+    return [folder, os.path.dirname(os.path.abspath(folder))] if is_wds_split(folder) else [folder]
+
+
+def _find_meta(data: str, name: str) -> tuple[Optional[str], list[str]]:
+    """The first ``name`` file among :func:`_meta_folders` (or ``None``) and the paths tried."""
+    tried = [os.path.join(folder, name) for folder in _meta_folders(data)]
+    return next((p for p in tried if os.path.isfile(p)), None), tried
 
 
 def is_image_folder(data: str) -> bool:
-    """True when ``data`` is a folder of class sub-folders (and no ``*.tar`` shards)."""
-    if not os.path.isdir(data):
+    """True when ``data`` is a folder of class sub-folders (no ``*.tar`` shards, no clip_benchmark
+    splits)."""
+    if not os.path.isdir(data) or is_wds_split(data) or _wds_splits(data):
         return False
     entries = os.listdir(data)
     has_tars = any(e.endswith(".tar") for e in entries)
@@ -62,18 +148,25 @@ def read_classnames(data: str, path: Optional[str] = None) -> list[str]:
     """Class names in label order.
 
     Args:
-        data: the labelled set (folder of shards, shard pattern, or image folder).
-        path: an explicit class-names file; defaults to ``classnames.txt`` beside the data.
+        data: the labelled set (clip_benchmark folder or split, folder of shards, shard pattern,
+            or image folder).
+        path: an explicit class-names file; defaults to ``classnames.txt`` beside the shards,
+            else (clip_benchmark split) at the set's root.
 
     Returns:
         One name per class. An image folder without ``classnames.txt`` names its classes after
         its sorted sub-folders (``_`` read as a space).
     """
-    path = path or os.path.join(_meta_folder(data), CLASSNAMES_FILE)
-    if not os.path.isfile(path):
-        if is_image_folder(data):
+    if path is None and is_image_folder(data):
+        path = os.path.join(data, CLASSNAMES_FILE)
+        if not os.path.isfile(path):
             return [c.replace("_", " ") for c in ImageFolder.find_classes(data)[0]]
-        raise FileNotFoundError(f"labelled set {data!r} has no {CLASSNAMES_FILE} (looked for {path!r})")
+    elif path is None:
+        path, tried = _find_meta(data, CLASSNAMES_FILE)
+        if path is None:
+            raise FileNotFoundError(f"labelled set {data!r} has no {CLASSNAMES_FILE} (looked for {' and '.join(map(repr, tried))})")
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(f"no class-names file at {path!r}")
     with open(path, encoding="utf-8") as f:
         names = [line.strip() for line in f if line.strip()]
     if not names:
@@ -87,23 +180,74 @@ def read_templates(data: str, path: Optional[str] = None) -> list[str]:
     Args:
         data: the labelled set.
         path: an explicit templates file; defaults to ``zeroshot_classification_templates.txt``
-            beside the data.
+            beside the shards, else (clip_benchmark split) at the set's root.
 
     Returns:
         The file's templates, or CLIP's 80 ImageNet templates when there is no file.
     """
-    explicit = path is not None
-    path = path or os.path.join(_meta_folder(data), TEMPLATES_FILE)
-    if not os.path.isfile(path):
-        if explicit:
-            raise FileNotFoundError(f"no templates file at {path!r}")
-        return list(DEFAULT_TEMPLATES)
+    if path is not None and not os.path.isfile(path):
+        raise FileNotFoundError(f"no templates file at {path!r}")
+    if path is None:
+        path = os.path.join(data, TEMPLATES_FILE) if is_image_folder(data) else _find_meta(data, TEMPLATES_FILE)[0]
+        if path is None or not os.path.isfile(path):
+            return list(DEFAULT_TEMPLATES)
     with open(path, encoding="utf-8") as f:
         templates = [line.strip() for line in f if line.strip()]
     bad = [t for t in templates if "{c}" not in t]
     if bad or not templates:
         raise ValueError(f"{path}: every template needs a '{{c}}' placeholder; bad: {bad[:3]}")
     return templates
+
+
+def clip_benchmark_shard_pattern(root: str, split: str) -> str:
+    """``wds.ShardWriter`` pattern of a clip_benchmark split: ``root/split/%d.tar`` (``0.tar``, ...,
+    unpadded, the names its ``{0..N-1}.tar`` brace pattern expands to)."""
+    return os.path.join(root, split, "%d.tar")
+
+
+def write_clip_benchmark_files(
+    root: str, split: str, classnames: Optional[Sequence[str]] = None, templates: Optional[Sequence[str]] = None
+) -> int:
+    """Finish a clip_benchmark split whose shards ``root/split/0.tar ..`` are written.
+
+    Writes ``root/split/nshards.txt`` and, at ``root`` (where clip_benchmark reads them),
+    ``classnames.txt`` and ``zeroshot_classification_templates.txt`` when given.
+
+    Args:
+        root: the set's folder (clip_benchmark's ``--dataset_root``).
+        split: the split folder's name (clip_benchmark's ``--split``: ``train``, ``test``, ...).
+        classnames: class names in label order.
+        templates: zero-shot prompts, each with ``{c}``.
+
+    Returns:
+        The number of shards.
+
+    Raises:
+        FileNotFoundError: no ``0.tar`` in the split.
+        ValueError: other ``*.tar`` files beside ``0.tar .. N-1.tar`` (clip_benchmark would skip
+            them), or a template without ``{c}``.
+    """
+    folder = os.path.join(root, split)
+    n = 0
+    while os.path.isfile(os.path.join(folder, f"{n}.tar")):
+        n += 1
+    if n == 0:
+        raise FileNotFoundError(f"no shard {os.path.join(folder, '0.tar')!r} to list in {NSHARDS_FILE}")
+    stray = sorted(set(e for e in os.listdir(folder) if e.endswith(".tar")) - {f"{i}.tar" for i in range(n)})
+    if stray:
+        raise ValueError(f"{folder}: shards {stray[:3]} are not among 0.tar .. {n - 1}.tar, which clip_benchmark reads")
+    with open(os.path.join(folder, NSHARDS_FILE), "w", encoding="utf-8") as f:
+        f.write(f"{n}\n")
+    if classnames is not None:
+        with open(os.path.join(root, CLASSNAMES_FILE), "w", encoding="utf-8") as f:
+            f.write("\n".join(classnames) + "\n")
+    if templates is not None:
+        bad = [t for t in templates if "{c}" not in t]
+        if bad or not templates:
+            raise ValueError(f"every zero-shot template needs a '{{c}}' placeholder; bad: {bad[:3]}")
+        with open(os.path.join(root, TEMPLATES_FILE), "w", encoding="utf-8") as f:
+            f.write("\n".join(templates) + "\n")
+    return n
 
 
 def _decode_labeled(sample: dict, transform: Callable, image_keys: Sequence[str]) -> tuple[Any, int]:
@@ -229,7 +373,8 @@ def labeled_loader(
     folder's order), ``skipped`` counts unreadable samples (see :class:`LabeledShards`).
 
     Args:
-        data: folder of ``*.tar`` shards, brace pattern / ``::`` list of shards, or image folder.
+        data: clip_benchmark folder (its ``test`` split) or split folder, folder of ``*.tar``
+            shards, brace pattern / ``::`` list of shards, or image folder.
         transform: PIL image -> tensor.
         batch_size: samples per batch.
         num_workers: loader workers.
@@ -250,7 +395,7 @@ def labeled_loader(
         indices = range(rank, min(len(dataset), limit or len(dataset)), world_size)
         return DataLoader(_Indexed(dataset, indices), batch_size=batch_size, num_workers=num_workers,
                           collate_fn=_collate_folder)
-    urls = expand_urls(data)
+    urls = shard_urls(data)
     missing = [u for u in urls if is_local(u) and not os.path.exists(u)]
     if missing:
         raise FileNotFoundError(f"labelled set {data!r}: no such shard(s) {missing[:3]}")

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 from torchvision.datasets import ImageFolder
 
-from mmssl.data.labeled import is_image_folder, labeled_loader, read_classnames
-from mmssl.data.sources import expand_urls, is_local, shard_sizes
+from mmssl.data.labeled import is_image_folder, labeled_loader, read_classnames, shard_urls
+from mmssl.data.sources import is_local, shard_sizes
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.features import FeatureSet, extract, gather_feature_set
 
@@ -62,7 +62,8 @@ def check_labelled_set(data: str, who: str, key: str, need_classnames: bool = Fa
     would leave the others waiting in a collective).
 
     Args:
-        data: the labelled set.
+        data: the labelled set (any layout of ``mmssl.data.labeled``: clip_benchmark folder or
+            split, shard folder or pattern, image folder).
         who: the callback, for the message.
         key: the config key that set ``data``.
         need_classnames: the set must have ``classnames.txt`` (zero-shot).
@@ -72,7 +73,10 @@ def check_labelled_set(data: str, who: str, key: str, need_classnames: bool = Fa
         if not ImageFolder.find_classes(data)[0]:
             raise ValueError(f"{where} holds no class folders")
     else:
-        urls = expand_urls(data)
+        try:  # a clip_benchmark folder without the split, or with a bad nshards.txt
+            urls = shard_urls(data)
+        except (FileNotFoundError, ValueError) as err:
+            raise type(err)(f"{where}: {err}") from err
         missing = [u for u in urls if is_local(u) and not os.path.exists(u)]
         if not urls or missing:
             raise FileNotFoundError(f"{where}: no shards found{f', e.g. missing {missing[:3]}' if missing else ''}")

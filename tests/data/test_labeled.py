@@ -1,13 +1,17 @@
-"""Labelled evaluation sets: unreadable samples counted, one canonical order, limits the same on any ranks."""
+"""Labelled evaluation sets: unreadable samples counted, one canonical order, limits the same on any ranks;
+clip_benchmark's wds/ layout written and read both ways."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from shard_helpers import sample_members, write_dataset, write_tar
+from shard_helpers import image_bytes, sample_members, write_dataset, write_tar
 
-from mmssl.data.labeled import labeled_loader
+from mmssl.data.labeled import is_image_folder, labeled_loader, read_classnames, read_templates
 from mmssl.data.transforms import eval_transform
+from mmssl.evaluation.online import check_labelled_set
 
 TRANSFORM = eval_transform(8)
 
@@ -46,3 +50,93 @@ def test_ranks_read_disjoint_parts_that_restore_one_process_order(tmp_path, limi
     assert sorted(index) == one_index and len(set(index)) == len(index)  # nothing twice, nothing lost
     assert [labels[i] for i in torch.tensor(index).argsort().tolist()] == one_labels
     assert one_labels == list(range(12 if limit is None else limit))  # limit: the set's first samples
+
+
+# ---- clip_benchmark's wds/ layout, both ways ------------------------------------------------------
+# The rules, as clip_benchmark's datasets/builder.py build_wds_dataset reads a set: N from
+# DIR/{split}/nshards.txt, shards "DIR/{split}/{0..N-1}.tar" (brace-expanded, unpadded), the image
+# from the first of webp/png/jpg/jpeg, the label from "cls", classnames.txt and
+# zeroshot_classification_templates.txt at DIR (not in the split).
+
+
+def _clip_benchmark_read(root, split="test"):
+    """Labels, class names and templates read by those rules alone (no mmssl code)."""
+    import braceexpand
+    import webdataset as wds
+
+    nshards = int((root / split / "nshards.txt").read_text())
+    urls = list(braceexpand.braceexpand(str(root / split / f"{{0..{nshards - 1}}}.tar")))
+    dataset = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=lambda src: src)
+               .decode(wds.autodecode.ImageHandler("pil", extensions=["webp", "png", "jpg", "jpeg"]))
+               .to_tuple(["webp", "png", "jpg", "jpeg"], "cls"))
+    labels = [int(label) for _, label in dataset]
+    classes = [line.strip() for line in (root / "classnames.txt").read_text().splitlines()]
+    templates = [line.strip() for line in (root / "zeroshot_classification_templates.txt").read_text().splitlines()]
+    return labels, classes, templates
+
+
+def test_a_set_mmssl_writes_reads_back_through_clip_benchmark_rules(tmp_path):
+    from mmssl.data.labeled import clip_benchmark_shard_pattern, write_clip_benchmark_files
+
+    # 12 shards: clip_benchmark reads 10.tar after 9.tar, where a sorted listing puts it after 1.tar.
+    (tmp_path / "test").mkdir()
+    for s in range(12):
+        write_tar(Path(clip_benchmark_shard_pattern(str(tmp_path), "test") % s),
+                  sample_members(s, label=s % 3))
+    names, prompts = ["red thing", "green thing", "blue thing"], ["a {c}.", "a photo of a {c}."]
+    assert write_clip_benchmark_files(str(tmp_path), "test", names, prompts) == 12
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["classnames.txt", "test", "zeroshot_classification_templates.txt"]
+    labels, classes, templates = _clip_benchmark_read(tmp_path)
+    assert labels == [s % 3 for s in range(12)] and classes == names and templates == prompts
+    # mmssl reads the split folder and the root (its test split) the same way, in the same order.
+    for data in (tmp_path / "test", tmp_path):
+        mine, index, skipped, _ = _read(data, batch_size=5)
+        assert mine == labels and skipped == 0 and index == [s << 32 for s in range(12)]
+        assert read_classnames(str(data)) == names and read_templates(str(data)) == prompts
+        check_labelled_set(str(data), "ZeroShot", "data", need_classnames=True)
+    # Ranks split clip_benchmark's shard list, and a sample limit keeps its first samples.
+    parts = [_read(tmp_path, rank, 2, limit=7)[0] for rank in range(2)]
+    assert sorted(parts[0] + parts[1]) == sorted(labels[:7])
+
+
+def test_a_real_clip_benchmark_folder_reads_in_every_tool(tmp_path):
+    """What clip_benchmark_export_wds writes (webp images, keys s0000000, side files at the root)."""
+    root = tmp_path / "wds_set"
+    for split, count in (("train", 4), ("test", 3)):
+        (root / split).mkdir(parents=True)
+        members = []
+        for i in range(count):
+            key = f"s{i:07d}"
+            members += [(f"{key}.webp", image_bytes(i, "WEBP")), (f"{key}.cls", str(i % 2).encode())]
+        write_tar(root / split / "0.tar", members)
+        (root / split / "nshards.txt").write_text("1\n")
+    (root / "classnames.txt").write_text("cat\ndog\n")
+    (root / "zeroshot_classification_templates.txt").write_text("a photo of a {c}.\n")
+    assert _read(root)[0] == [0, 1, 0]  # the test split, as clip_benchmark's default --split
+    assert _read(root / "train")[0] == [0, 1, 0, 1]
+    assert read_classnames(str(root / "train")) == ["cat", "dog"]
+    assert read_templates(str(root / "test")) == ["a photo of a {c}."]
+    assert not is_image_folder(str(root))  # split folders are not class folders
+    check_labelled_set(str(root / "test"), "ZeroShot", "data", need_classnames=True)
+    # A root without the test split, and an nshards.txt naming a shard that is not there.
+    (root / "test").rename(root / "val")
+    with pytest.raises(FileNotFoundError, match=r"without a 'test' split \(it has \['train', 'val'\]\)"):
+        check_labelled_set(str(root), "ZeroShot", "data")
+    (root / "val" / "nshards.txt").write_text("2\n")
+    with pytest.raises(FileNotFoundError, match=r"ZeroShot: data=.*nshards.txt says 2 shards.*1.tar"):
+        check_labelled_set(str(root / "val"), "ZeroShot", "data")
+
+
+def test_write_clip_benchmark_files_refuses_what_clip_benchmark_would_not_read(tmp_path):
+    from mmssl.data.labeled import write_clip_benchmark_files
+
+    (tmp_path / "test").mkdir()
+    with pytest.raises(FileNotFoundError, match="0.tar"):
+        write_clip_benchmark_files(str(tmp_path), "test")
+    write_tar(tmp_path / "test" / "0.tar", sample_members(0))
+    write_tar(tmp_path / "test" / "00001.tar", sample_members(1))
+    with pytest.raises(ValueError, match=r"\['00001.tar'\] are not among 0.tar .. 0.tar"):
+        write_clip_benchmark_files(str(tmp_path), "test")
+    (tmp_path / "test" / "00001.tar").unlink()
+    with pytest.raises(ValueError, match="placeholder"):
+        write_clip_benchmark_files(str(tmp_path), "test", ["a"], ["no class here"])

@@ -80,14 +80,18 @@ def test_convert_writes_clip_benchmark_layout_with_exact_pixels(source, tmp_path
     folder, data = source
     out = tmp_path / "out"
     result = fm.main(["--source", str(folder), "--output", str(out), "--shard-size", "4"])
-    assert result == {"train": {"00000.tar": 4, "00001.tar": 3}, "test": {"00000.tar": 3}}
+    assert result == {"train": {"0.tar": 4, "1.tar": 3}, "test": {"0.tar": 3}}
+    # clip_benchmark's wds/ layout: class names and templates at the root, nshards.txt per split.
+    assert (out / "classnames.txt").read_text().splitlines() == list(fm.CLASSNAMES)
+    assert (out / "zeroshot_classification_templates.txt").read_text().splitlines() == list(fm.ZERO_SHOT_TEMPLATES)
+    assert [(out / s / "nshards.txt").read_text().strip() for s in ("train", "test")] == ["2", "1"]
     for split, prefix in (("train", "train"), ("test", "t10k")):
         split_dir = out / split
         assert json.loads((split_dir / "sizes.json").read_text()) == result[split]
         assert read_classnames(str(split_dir)) == list(fm.CLASSNAMES)
         assert all("{c}" in t for t in read_templates(str(split_dir)))
         samples = {}
-        for shard in sorted(split_dir.glob("*.tar")):
+        for shard in (split_dir / f"{i}.tar" for i in range(len(result[split]))):
             samples.update(_samples(shard))
         images, labels = data[prefix]
         assert len(samples) == len(images)
@@ -103,9 +107,9 @@ def test_convert_is_deterministic_and_limit_applies(source, tmp_path):
     folder, _ = source
     fm.convert(str(folder), str(tmp_path / "a"), shard_size=4, limit=5)
     fm.convert(str(folder), str(tmp_path / "b"), shard_size=4, limit=5)
-    for rel in ("train/00000.tar", "train/00001.tar", "test/00000.tar"):
+    for rel in ("train/0.tar", "train/1.tar", "test/0.tar"):
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
-    assert json.loads((tmp_path / "a/train/sizes.json").read_text()) == {"00000.tar": 4, "00001.tar": 1}
+    assert json.loads((tmp_path / "a/train/sizes.json").read_text()) == {"0.tar": 4, "1.tar": 1}
 
 
 def test_output_reads_back_through_mmssl_labeled_loader(source, tmp_path):

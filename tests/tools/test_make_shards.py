@@ -41,8 +41,12 @@ def test_make_shards_from_class_folders_then_train_on_them(tmp_path, capsys):
     out = tmp_path / "shards"
     assert _run("make_shards.py", "--folder", str(tmp_path / "imgs"), "--output", str(out),
                 "--shard-size", "4", "--resize", "20", "--template", "a photo of a {c}.") == 0
-    assert json.loads((out / "sizes.json").read_text()) == {"00000.tar": 4, "00001.tar": 2}
+    # A clip_benchmark wds/ set: OUTPUT/train/{0,1}.tar + nshards.txt, class names at OUTPUT.
+    assert json.loads((out / "train/sizes.json").read_text()) == {"0.tar": 4, "1.tar": 2}
+    assert (out / "train/nshards.txt").read_text().strip() == "2"
     assert (out / "classnames.txt").read_text().split("\n")[:2] == ["blue boat", "red car"]
+    assert (out / "zeroshot_classification_templates.txt").read_text().strip() == "a photo of a {c}."
+    out = out / "train"
     good, problems, shown, warnings = inspect_shards(str(out))
     assert (good, problems, warnings) == (6, [], [])
     assert shown[0]["txt"] == {"0": "a photo of a blue boat.", "1": "a photo of a red car."}[shown[0]["cls"]]
@@ -89,10 +93,10 @@ def test_shards_of_a_class_ordered_folder_mix_classes_in_every_batch(tmp_path, c
     labels = np.repeat(np.arange(10), 20)
     rng = np.random.default_rng(0)  # a fully shuffled stream of the same labels, cut into batches of 8
     shuffled = np.mean([len(set(rng.permutation(labels)[i:i + 8])) for _ in range(50) for i in range(0, 200, 8)])
-    assert _distinct_labels_per_batch(tmp_path / "mixed") > 0.85 * shuffled
-    assert _distinct_labels_per_batch(tmp_path / "ordered") < 0.6 * shuffled  # what the shuffle fixes
+    assert _distinct_labels_per_batch(tmp_path / "mixed/train") > 0.85 * shuffled
+    assert _distinct_labels_per_batch(tmp_path / "ordered/train") < 0.6 * shuffled  # what the shuffle fixes
     # inspect_shards names the class-ordered shards and is silent on the mixed ones.
-    assert inspect_shards(str(tmp_path / "mixed"))[3] == []
-    assert _run("inspect_shards.py", str(tmp_path / "ordered")) == 0
+    assert inspect_shards(str(tmp_path / "mixed/train"))[3] == []
+    assert _run("inspect_shards.py", str(tmp_path / "ordered/train")) == 0
     out = capsys.readouterr().out
-    assert out.count("WARNING") == 20 and "00003.tar: 20 of 20 samples have the label 3" in out
+    assert out.count("WARNING") == 20 and "/3.tar: 20 of 20 samples have the label 3" in out
