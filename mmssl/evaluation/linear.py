@@ -103,7 +103,7 @@ def fit_mae_linear(
     weight_decay: float = 0.0,
     seed: int = 0,
 ) -> nn.Module:
-    """The MAE paper's linear probe (He et al. 2021, appendix A.2; ``main_linprobe.py``).
+    """The MAE paper's linear probe (He et al. 2021, appendix A.1, Table 10; ``main_linprobe.py``).
 
     ``BatchNorm1d(affine=False, eps=1e-6)`` before the linear head (it normalises features whose
     scales differ wildly across layers and models, and, having no affine part, can be folded into

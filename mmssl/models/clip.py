@@ -18,6 +18,7 @@ import open_clip
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_warn
 from open_clip.transformer import text_global_pool
 from torch import Tensor
 from torchmetrics import MeanMetric, MetricCollection
@@ -30,7 +31,7 @@ from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.flip import install_flip_masking
 from mmssl.models.gradcache import cached_features
 from mmssl.models._logging import logging_step
-from mmssl.optim import param_groups, warmup_cosine
+from mmssl.optim import NDIM_LT_2, Phase, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 
 # Initial (logit_scale, logit_bias): CLIP sec. 2.5 (temperature 0.07, no bias); SigLIP sec. 3.2
 # (t' = log 10, b = -10, so training starts near the prior of mostly negative pairs).
@@ -85,6 +86,34 @@ def text_padding_is_inert(model: torch.nn.Module) -> bool:
     )
 
 
+OPEN_CLIP_NO_DECAY: tuple[str, ...] = (NDIM_LT_2, "*bn*", "*ln*", "*bias*", "*logit_scale*")
+
+
+def build_tokenizer(name: str, local_dir: Optional[str] = None) -> Callable:
+    """open_clip's tokenizer for model config ``name``, never downloading.
+
+    Configs with open_clip's own BPE vocabulary (shipped in the package) need nothing more; a
+    config naming a Hugging Face tokenizer (``text_cfg.hf_tokenizer_name``: the SigLIP configs'
+    SentencePiece model) is read from ``local_dir``, a folder holding its files.
+    """
+    text_cfg = open_clip.get_model_config(name).get("text_cfg", {})
+    hf_name = text_cfg.get("hf_tokenizer_name")
+    if hf_name is None:
+        if local_dir is not None:
+            raise ValueError(f"model.tokenizer: {name!r} uses open_clip's built-in BPE tokenizer; leave it unset")
+        return open_clip.get_tokenizer(name)
+    if local_dir is None or not os.path.isdir(local_dir):
+        raise FileNotFoundError(
+            f"model.tokenizer: {name!r} tokenizes with the Hugging Face tokenizer {hf_name!r}, and mmssl "
+            f"never downloads: fetch it once (huggingface-cli download {hf_name} --local-dir DIR) and pass "
+            f"--model.init_args.tokenizer DIR (got {local_dir!r})"
+        )
+    from open_clip.tokenizer import HFTokenizer
+
+    return HFTokenizer(local_dir, context_length=text_cfg.get("context_length", 77),
+                       **text_cfg.get("tokenizer_kwargs", {}))
+
+
 def _checkpoint_has(path: str, key: str) -> bool:
     """Whether an open_clip checkpoint file holds ``key``, read lazily (mmap / safetensors)."""
     if path.endswith(".safetensors"):
@@ -111,11 +140,25 @@ class CLIP(pl.LightningModule):
         image_mask_ratio: FLIP: fraction of image patches dropped in training (0.5 in the
             paper); ``None`` keeps the model config's ``patch_dropout`` (0 when unset).
         unmasked_tune_steps: FLIP sec. 3 "unmasked tuning": the last this many optimizer steps
-            of the run train on whole images, closing the masked/unmasked distribution gap.
+            of the run (``trainer.max_steps`` includes them) train on whole images, closing the
+            masked/unmasked distribution gap. They are a phase of their own, as in the FLIP
+            README: the masked schedule's cosine ends where they start, then a new warm-up and
+            cosine to 0 at ``unmasked_tune_lr_ratio`` x the masked phase's peak LR.
+        unmasked_tune_lr_ratio: peak LR of the tuning phase over the masked phase's (FLIP
+            README: base lr 4e-8 vs 4e-6 per 256 samples, so 0.01 at any batch size).
+        unmasked_tune_warmup_steps: linear warm-up steps of the tuning phase.
         lock_image: LiT (Zhai et al. 2022): freeze the image tower, train the text tower only.
         lock_image_unlocked_groups: with ``lock_image``, leave the last n layer groups trainable.
-        optimizer: optimizer factory over parameter groups (no weight decay on biases, norms,
-            embeddings, ``logit_scale`` and ``logit_bias``); AdamW by default.
+        optimizer: optimizer factory over two parameter groups (decayed, and weight decay 0 for
+            the ``no_weight_decay`` parameters); AdamW by default.
+        no_weight_decay: which parameters are not decayed: ``fnmatch`` globs on the names of
+            ``named_parameters()`` (``model.visual.positional_embedding``), plus ``"ndim<2"`` for
+            every parameter built with fewer than 2 dims. Decided from names and shapes recorded
+            at build time, so it holds under FSDP's flattened parameters. ``None``: open_clip's
+            rule (``open_clip_train/main.py``: ndim < 2, or "bn", "ln", "bias", "logit_scale" in
+            the name); recipes set the rule of their own source.
+        tokenizer: local folder of a Hugging Face tokenizer, for model configs whose tokenizer
+            is one (``ViT-B-16-SigLIP``: SentencePiece); mmssl never downloads it.
         warmup_steps: linear warm-up steps before the cosine decay.
         min_lr_ratio: final LR of the cosine as a fraction of the peak.
         logit_scale_max: clamp of the learned logit scale (CLIP: 100).
@@ -140,6 +183,8 @@ class CLIP(pl.LightningModule):
         init_logit_bias: Optional[float] = None,
         image_mask_ratio: Optional[float] = None,
         unmasked_tune_steps: int = 0,
+        unmasked_tune_lr_ratio: float = 0.01,
+        unmasked_tune_warmup_steps: int = 0,
         lock_image: bool = False,
         lock_image_unlocked_groups: int = 0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
@@ -148,6 +193,8 @@ class CLIP(pl.LightningModule):
         logit_scale_max: float = 100.0,
         trim_text_padding: Optional[bool] = None,
         contrastive_chunk_size: Optional[int] = None,
+        no_weight_decay: Optional[list[str]] = None,
+        tokenizer: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -155,8 +202,10 @@ class CLIP(pl.LightningModule):
             raise ValueError(f"model.loss: {loss!r} is not one of {sorted(LOSS_INIT)}")
         if pretrained is not None and not os.path.isfile(pretrained):
             raise FileNotFoundError(f"model.pretrained: no checkpoint file at {pretrained!r}")
-        if unmasked_tune_steps < 0:
-            raise ValueError(f"model.unmasked_tune_steps must be >= 0, got {unmasked_tune_steps}")
+        if unmasked_tune_steps < 0 or unmasked_tune_warmup_steps < 0 or unmasked_tune_lr_ratio < 0:
+            raise ValueError(
+                "model.unmasked_tune_steps, unmasked_tune_warmup_steps and unmasked_tune_lr_ratio must be >= 0, "
+                f"got {unmasked_tune_steps}, {unmasked_tune_warmup_steps}, {unmasked_tune_lr_ratio}")
         name = resolve_model_name(model_name)
         init = self._init_kwargs(loss, init_logit_scale, init_logit_bias)
         self.model = open_clip.create_model(name, pretrained=pretrained, output_dict=True, **init)
@@ -180,7 +229,8 @@ class CLIP(pl.LightningModule):
             )
         # Read by the data module (linked by the CLI): it trims each batch before the transfer.
         self.trim_text_padding: bool = inert if trim_text_padding is None else trim_text_padding
-        self.tokenizer: Callable = open_clip.get_tokenizer(name)
+        self._tokenizer: Optional[Callable] = None
+        self._model_config_name, self._tokenizer_dir = name, tokenizer
         size = self.model.visual.image_size
         self.image_size: int = size[0] if isinstance(size, (tuple, list)) else int(size)
         self.image_mean: tuple[float, ...] = tuple(self.model.visual.image_mean)
@@ -194,11 +244,25 @@ class CLIP(pl.LightningModule):
         if contrastive_chunk_size is not None and contrastive_chunk_size < 1:
             raise ValueError(f"model.contrastive_chunk_size must be >= 1 (or null), got {contrastive_chunk_size}")
         self.contrastive_chunk_size = contrastive_chunk_size
+        self.unmasked_tune_lr_ratio, self.unmasked_tune_warmup_steps = unmasked_tune_lr_ratio, unmasked_tune_warmup_steps
+        # open_clip_train/main.py: exclude = p.ndim < 2 or "bn"/"ln"/"bias"/"logit_scale" in n.
+        self.no_weight_decay = list(OPEN_CLIP_NO_DECAY if no_weight_decay is None else no_weight_decay)
+        self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
+        unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
+        if unmatched:
+            rank_zero_warn(f"model.no_weight_decay: {unmatched} match no parameter of {model_name!r}")
         self._val_features: list[tuple[Tensor, Tensor]] = []
         self.val_loss = MeanMetric()  # sum and count of the validation loss, reduced over ranks
         # Held-out retrieval recall as hits and queries summed over ranks (val/i2t_R@1, ...).
         self.val_retrieval = MetricCollection(
             {f"{d}_R@{k}": MeanMetric() for d in ("i2t", "t2i") for k in RECALL_AT}, prefix="val/")
+
+    @property
+    def tokenizer(self) -> Callable:
+        """open_clip's tokenizer for the model config, built on first use: text -> (B, L) ids."""
+        if self._tokenizer is None:
+            self._tokenizer = build_tokenizer(self._model_config_name, self._tokenizer_dir)
+        return self._tokenizer
 
     @staticmethod
     def _init_kwargs(loss: str, scale: Optional[float], bias: Optional[float]) -> dict[str, float]:
@@ -341,9 +405,12 @@ class CLIP(pl.LightningModule):
             self.model.logit_scale.clamp_(0, math.log(self.logit_scale_max))
 
     def configure_optimizers(self) -> dict:
-        optimizer = self.optimizer(param_groups(self))
+        optimizer = self.optimizer(param_groups(self, self.no_weight_decay, self._param_ndim))
         total = self.trainer.estimated_stepping_batches
-        scheduler = warmup_cosine(optimizer, self.warmup_steps, total, self.min_lr_ratio)
+        tuning = None
+        if self.unmasked_tune_steps:
+            tuning = Phase(self.unmasked_tune_steps, self.unmasked_tune_warmup_steps, self.unmasked_tune_lr_ratio)
+        scheduler = warmup_cosine(optimizer, self.warmup_steps, total, self.min_lr_ratio, second_phase=tuning)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # Validation: loss per rank, retrieval over the whole held-out set ------------------------------

@@ -98,26 +98,28 @@ def test_every_parameter_gets_a_gradient(tiny_clip_json):
         assert not missing, f"{loss}: no gradient for {missing}"
 
 
-def test_no_weight_decay_on_biases_norms_embeddings_and_logit_parameters(tiny_clip_json):
+def test_default_weight_decay_groups_follow_open_clip(tiny_clip_json):
+    # open_clip_train/main.py: exclude = p.ndim < 2 or "bn"/"ln"/"bias"/"logit_scale" in n;
+    # token and positional embeddings are 2-D, so they are decayed (as the CLIP paper does).
     model = CLIP(tiny_clip_json, loss="siglip")
     names = {id(p): n for n, p in model.named_parameters()}
-    decay, no_decay = (sorted(names[id(p)] for p in g["params"]) for g in param_groups(model, 0.2))
-    assert param_groups(model, 0.2)[1]["weight_decay"] == 0.0
-    for name in no_decay:
-        assert any(k in name for k in ("bias", "ln_", "embedding", "logit_")), name
-    for expected in ("model.logit_scale", "model.logit_bias", "model.positional_embedding",
-                     "model.token_embedding.weight", "model.visual.class_embedding",
-                     "model.visual.positional_embedding", "model.ln_final.weight"):
-        assert expected in no_decay
-    assert decay and all(model.get_parameter(n).ndim >= 2 for n in decay)
-    assert not any("embedding" in n or "ln_" in n or n.endswith("bias") for n in decay)
+    groups = param_groups(model, model.no_weight_decay, model._param_ndim, 0.2)
+    decay, no_decay = (sorted(names[id(p)] for p in g["params"]) for g in groups)
+    assert groups[1]["weight_decay"] == 0.0 and groups[0]["weight_decay"] == 0.2
+    expected = sorted(n for n, p in model.named_parameters() if p.ndim < 2 or "ln" in n or "bias" in n or "logit_scale" in n)
+    assert no_decay == expected
+    for name in ("model.logit_scale", "model.logit_bias", "model.visual.class_embedding", "model.ln_final.weight"):
+        assert name in no_decay
+    for name in ("model.positional_embedding", "model.token_embedding.weight", "model.visual.positional_embedding",
+                 "model.visual.conv1.weight", "model.text_projection"):
+        assert name in decay
 
 
 def test_lock_image_freezes_the_image_tower_only(tiny_clip_json):
     model = CLIP(tiny_clip_json, lock_image=True)
     assert not any(p.requires_grad for p in model.model.visual.parameters())
     assert all(p.requires_grad for p in model.model.transformer.parameters())
-    grouped = {id(p) for g in param_groups(model) for p in g["params"]}
+    grouped = {id(p) for g in param_groups(model, model.no_weight_decay, model._param_ndim) for p in g["params"]}
     assert not grouped & {id(p) for p in model.model.visual.parameters()}
 
 

@@ -41,6 +41,9 @@ def test_recipe_runs_a_few_steps_on_cpu(tmp_path, tiny_demo, recipe):
     mask = _column(rows, "train/image_mask_ratio")
     if recipe.startswith("flip"):  # 4 masked steps, then the unmasked tuning phase (2 steps)
         assert mask == [0.5] * 4 + [0.0] * 2
+        # Masked: 2 warm-up steps, cosine over the other 2; tuning: its own cosine at 1% of the peak.
+        lrs = _column(rows, "lr-AdamW/pg1")
+        assert lrs == pytest.approx([x * 1.024e-3 for x in (0.5, 1.0, 1.0, 0.5, 0.01, 0.005)])
     else:
         assert set(mask) == {0.0}
     if recipe.startswith("siglip"):
