@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
+from timm.data import auto_augment as timm_auto_augment
+from timm.data import create_transform
+from torch.utils.data import get_worker_info
 from torchvision import transforms as T
 
 OPENAI_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
@@ -198,3 +201,115 @@ class BatchNormalize:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mean={self.mean}, std={self.std})"
+
+
+# create_transform arguments the data module sets itself (from image_size, crop_scale, hflip and
+# the model's mean and std), so a recipe's ``train_augment`` cannot contradict them.
+_SET_BY_MODULE = ("input_size", "is_training", "scale", "hflip", "mean", "std")
+
+
+def timm_train_transform(
+    image_size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    scale: tuple[float, float],
+    hflip: bool,
+    options: Mapping[str, Any],
+) -> Callable:
+    """timm's training transform (``create_transform(is_training=True)``), as MAE fine-tunes with.
+
+    MAE ``util/datasets.py`` ``build_transform``: RandomResizedCrop (bicubic), flip, RandAugment
+    (``auto_augment``), to tensor, normalise, random erasing (``re_prob``), all per sample.
+
+    Args:
+        image_size: output side in pixels.
+        mean: per-channel normalisation mean.
+        std: per-channel normalisation std.
+        scale: area range of the random crop.
+        hflip: random horizontal flip (probability 0.5).
+        options: other ``create_transform`` arguments (``auto_augment``, ``re_prob``,
+            ``re_mode``, ``re_count``, ``interpolation``, ``color_jitter``, ...).
+
+    Returns:
+        A callable ``(image, rng=None)`` from a PIL image to a normalised ``(3, S, S)`` float tensor.
+    """
+    clash = sorted(set(options) & set(_SET_BY_MODULE))
+    if clash:
+        raise ValueError(f"data.train_augment: {clash} are set by the data module (image_size, crop_scale, hflip, "
+                         "image_mean, image_std); remove them there")
+    try:
+        transform = create_transform(input_size=image_size, is_training=True, scale=tuple(scale),
+                                     hflip=0.5 if hflip else 0.0, mean=tuple(mean), std=tuple(std), **options)
+    except TypeError as err:
+        raise ValueError(f"data.train_augment: not an argument of timm.data.create_transform: {err}") from None
+    for op in getattr(transform, "transforms", ()):
+        for aug in getattr(op, "ops", ()):  # timm's RandAugment / AutoAugment ops
+            if getattr(aug, "aug_fn", None) is timm_auto_augment.posterize:
+                aug.aug_fn = _posterize
+    return SeededTransform(transform)
+
+
+def _posterize(image: Image.Image, bits_to_keep: int, **kwargs: Any) -> Image.Image:
+    """timm's ``posterize`` where keeping 0 bits gives a black image, as Pillow < 13 did.
+
+    RandAugment's ``PosterizeIncreasing`` keeps ``4 - int(level / 10 * 4)`` bits, 0 at magnitude
+    10 (reached by ``m9-mstd0.5`` draws, ~2% of them); Pillow 13 refuses 0 bits with a ValueError
+    that would stop the loader. The result (every pixel 0) is what timm and MAE trained with.
+    """
+    if bits_to_keep <= 0:
+        return Image.new(image.mode, image.size)
+    return timm_auto_augment.posterize(image, bits_to_keep, **kwargs)
+
+
+def timm_eval_transform(image_size: int, mean: Sequence[float], std: Sequence[float], crop_pct: float) -> Callable:
+    """timm's eval transform: resize the short side to ``image_size / crop_pct``, centre crop.
+
+    MAE ``util/datasets.py``: crop_pct 224 / 256 for inputs up to 224 pixels, 1.0 above.
+    """
+    if not 0.0 < crop_pct <= 1.0:
+        raise ValueError(f"data.eval_crop_pct must be in (0, 1], got {crop_pct}")
+    return create_transform(input_size=image_size, is_training=False, crop_pct=crop_pct, interpolation="bicubic",
+                            mean=tuple(mean), std=tuple(std))
+
+
+class SeededTransform:
+    """Run a transform that draws from the global ``random``, numpy and torch RNGs (timm's do)
+    from the sample's own RNG, then put the global states back.
+
+    The training stream hands every sample an RNG drawn from (seed, epoch, sample)
+    (:func:`~mmssl.data.pipeline.augmentation_rng`), so a sample is augmented alike whichever
+    worker reads it and after a resume; timm's transforms take no RNG argument, hence the seeding
+    here. In a loader without workers (the training process itself) the global states are put
+    back, so drop path and Mixup keep their own streams.
+
+    Args:
+        transform: PIL image -> tensor.
+    """
+
+    def __init__(self, transform: Callable) -> None:
+        self.transform = transform
+
+    def __call__(self, image: Image.Image, rng: Optional[random.Random] = None) -> torch.Tensor:
+        if rng is None:
+            return self.transform(image)
+        if get_worker_info() is not None:  # a loader worker: its global streams serve nothing else
+            self._seed(rng)
+            return self.transform(image)
+        py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        try:
+            self._seed(rng)
+            return self.transform(image)
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+            torch.set_rng_state(torch_state)
+
+    @staticmethod
+    def _seed(rng: random.Random) -> None:
+        random.seed(rng.getrandbits(64))
+        np.random.seed(rng.getrandbits(32))
+        # The CPU generator only: torch.manual_seed also seeds every CUDA device (~0.5 ms a call).
+        torch.default_generator.manual_seed(rng.getrandbits(63))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.transform!r})"

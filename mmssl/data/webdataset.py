@@ -1,4 +1,4 @@
-"""ImageTextDataModule: image-text webdataset shards (img2dataset layout) for every model.
+"""ImageTextDataModule: image-text (and labelled image) webdataset shards (img2dataset layout) for every model.
 
 The pipeline is built from named steps (open_clip's ``get_wds_dataset``): sources
 (:mod:`mmssl.data.sources`) -> split and epoch plan (:func:`~mmssl.data.pipeline.plan_stream`) ->
@@ -33,7 +33,8 @@ from mmssl.data.demo import demo_data
 from mmssl.data.pipeline import META_KEYS, ShardStream, StreamSpec, plan_stream
 from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources, shard_sizes
 from mmssl.data.state import EpochLoader, StreamPosition
-from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD, BatchNormalize, eval_transform, train_sample_transform
+from mmssl.data.transforms import (OPENAI_MEAN, OPENAI_STD, BatchNormalize, eval_transform, timm_eval_transform,
+                                   timm_train_transform, train_sample_transform)
 
 __all__ = ["ImageTextDataModule", "count_samples", "expand_urls"]
 
@@ -84,9 +85,17 @@ class ImageTextDataModule(pl.LightningDataModule):
         tokenizer: text tokenizer (linked from the model); ``None`` yields images only (MAE).
         image_key: sample extensions holding the image, ``;``-separated alternatives.
         text_key: sample extension holding the caption.
-        label_key: sample extension holding an integer class (optional per sample).
+        label_key: sample extension holding an integer class (optional per sample); batches carry
+            it as ``label`` in training and validation (what ``ImageClassifier`` trains on).
         crop_scale: RandomResizedCrop area range for training.
         hflip: random horizontal flip in training.
+        train_augment: when set, training images go through timm's ``create_transform`` with
+            these extra arguments (e.g. ``{auto_augment: rand-m9-mstd0.5-inc1, re_prob: 0.25,
+            re_mode: pixel, interpolation: bicubic}``: MAE fine-tuning), after ``crop_scale`` and
+            ``hflip``, instead of the plain crop and flip.
+        eval_crop_pct: when set, validation images are resized to ``image_size / eval_crop_pct``
+            and centre-cropped (timm's eval transform; MAE fine-tuning: 0.875); unset: resized
+            to ``image_size`` and centre-cropped.
         shuffle_buffer: raw samples in the (pre-decode) shuffle buffer of each worker.
         seed: seed of shard order and shuffling; streams derive from (seed, epoch, rank, worker).
         max_bad_fraction: stop when a worker finds more than this fraction of its samples bad.
@@ -114,6 +123,8 @@ class ImageTextDataModule(pl.LightningDataModule):
         label_key: str = "cls",
         crop_scale: tuple[float, float] = (0.9, 1.0),
         hflip: bool = False,
+        train_augment: Optional[dict[str, Any]] = None,
+        eval_crop_pct: Optional[float] = None,
         shuffle_buffer: int = 1000,
         seed: int = 0,
         max_bad_fraction: float = 0.1,
@@ -135,6 +146,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         self.tokenizer, self.trim_text_padding = tokenizer, trim_text_padding
         self.image_key, self.text_key, self.label_key = image_key, text_key, label_key
         self.crop_scale, self.hflip = crop_scale, hflip
+        self.train_augment, self.eval_crop_pct = train_augment, eval_crop_pct
         self.shuffle_buffer, self.seed = shuffle_buffer, seed
         self.max_bad_fraction, self.reduced_decode, self.demo_dir = max_bad_fraction, reduced_decode, demo_dir
         self.eval_data: Optional[str] = None  # labelled held-out folder, set in demo mode
@@ -193,12 +205,18 @@ class ImageTextDataModule(pl.LightningDataModule):
 
     def _decoder(self, train: bool) -> SampleDecoder:
         batch_transform = None
-        if train:  # uint8 crops per sample, normalised once per batch (mmssl.data.transforms)
+        if train and self.train_augment is not None:  # timm's chain, normalised per sample
+            transform = timm_train_transform(self.image_size, self.image_mean, self.image_std, self.crop_scale,
+                                             self.hflip, self.train_augment)
+        elif train:  # uint8 crops per sample, normalised once per batch (mmssl.data.transforms)
             transform = train_sample_transform(self.image_size, self.crop_scale, self.hflip)
             batch_transform = BatchNormalize(self.image_mean, self.image_std)
+        elif self.eval_crop_pct is not None:
+            transform = timm_eval_transform(self.image_size, self.image_mean, self.image_std, self.eval_crop_pct)
         else:
             transform = eval_transform(self.image_size, self.image_mean, self.image_std)
-        min_size = draft_size(self.image_size, self.crop_scale[0] if train else 1.0) if self.reduced_decode else None
+        side = self.image_size if train else math.ceil(self.image_size / (self.eval_crop_pct or 1.0))
+        min_size = draft_size(side, self.crop_scale[0] if train else 1.0) if self.reduced_decode else None
         return SampleDecoder(transform, self.tokenizer, self.image_key.split(";"), self.text_key,
                              self.label_key, min_size, batch_transform)
 

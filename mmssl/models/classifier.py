@@ -1,0 +1,342 @@
+"""End-to-end fine-tuning of a pretrained ViT for classification: the ``ImageClassifier`` module.
+
+Follows facebookresearch/mae ``main_finetune.py`` (FINETUNE.md): a timm ``VisionTransformer`` with
+a new head, global average pooling of the patch tokens + ``fc_norm`` (``models_vit.py``, the
+default) or the cls token, ``drop_path_rate``, AdamW over layer-wise LR-decay groups
+(``util/lr_decay.py``, here timm's ``param_groups_layer_decay``, which assigns the same layer ids),
+lr = blr x global batch / 256, per-step warm-up + cosine to ``min_lr`` (``util/lr_sched.py``),
+timm's ``Mixup`` / CutMix with label smoothing and ``SoftTargetCrossEntropy``. The augmentations
+(RandAugment, random erasing) are data transforms (``ImageTextDataModule(train_augment=...)``).
+
+The encoder is initialised from an mmssl MAE checkpoint, an mmssl CLIP checkpoint whose image
+tower is a timm model, an exported timm state dict, an MAE release, or nothing (from scratch).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+import timm
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
+from timm.data import Mixup
+from timm.layers import resample_abs_pos_embed, trunc_normal_
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import param_groups_layer_decay
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from mmssl.checkpoints import read_state_dict
+from mmssl.distributed import seed_per_rank
+from mmssl.export import to_timm
+from mmssl.models._logging import logging_step
+from mmssl.optim import warmup_cosine
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)  # MAE main_finetune.py / util/datasets.py normalisation
+IMAGENET_STD = (0.229, 0.224, 0.225)
+StateDict = dict[str, Tensor]
+
+# Keys a pretrained encoder does not provide: the new head, and fc_norm under global pooling
+# (MAE main_finetune.py asserts exactly these are missing after loading).
+NEW_KEYS = frozenset({"head.weight", "head.bias", "fc_norm.weight", "fc_norm.bias"})
+CLIP_TIMM_TRUNK = "model.visual.trunk."  # open_clip's TimmModel tower inside mmssl's CLIP
+
+
+def finetune_adamw(params: Any) -> torch.optim.Optimizer:
+    """MAE ``main_finetune.py`` optimizer: ``torch.optim.AdamW`` with its default betas.
+
+    The LR is a placeholder (``ImageClassifier(blr=...)`` sets it); each group carries its own
+    weight decay (0.05, or 0 for 1-D parameters, ``pos_embed`` and ``cls_token``).
+    """
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def to_timm_classifier(state_dict: StateDict) -> StateDict:
+    """``ImageClassifier`` checkpoint -> timm ``VisionTransformer`` state dict, head included.
+
+    Args:
+        state_dict: a Lightning checkpoint's ``state_dict`` of an ``ImageClassifier``.
+
+    Returns:
+        State dict for ``timm.create_model(model_name, num_classes=N, global_pool=POOL,
+        **model_kwargs)`` with the module's own arguments (its ``hparams``), loaded strictly.
+    """
+    prefix = "model."
+    if "model.head.weight" not in state_dict:
+        raise KeyError("no 'model.head.weight' in this checkpoint: is it an mmssl ImageClassifier checkpoint?")
+    return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def pretrained_vit_weights(path: str) -> StateDict:
+    """A checkpoint file's ViT weights under timm's names, whatever wrote the file.
+
+    Args:
+        path: an mmssl MAE, CLIP (timm image tower) or ImageClassifier Lightning checkpoint, an
+            exported timm state dict, or an MAE release (``{"model": ...}``); ``.safetensors`` too.
+
+    Returns:
+        The state dict; extra keys (MAE's decoder, a classifier head) are left for the caller.
+    """
+    state = read_state_dict(path)  # weights only; unwraps "state_dict" / "model", strips "module."
+    if any(k.startswith("encoder.") for k in state):  # mmssl MAE: MaskedViT uses timm's names
+        return to_timm(state)
+    if "model.logit_scale" in state:  # mmssl CLIP
+        trunk = {k[len(CLIP_TIMM_TRUNK):]: v for k, v in state.items() if k.startswith(CLIP_TIMM_TRUNK)}
+        if not trunk:
+            raise ValueError(
+                f"{path}: a CLIP checkpoint whose image tower is open_clip's own ViT, not a timm model; "
+                "only CLIP models with a timm tower (vision_cfg.timm_model_name) can initialise a timm ViT")
+        return trunk
+    if "model.head.weight" in state:  # an mmssl ImageClassifier: continue from its encoder
+        return to_timm_classifier(state)
+    return state
+
+
+def load_pretrained(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
+    """Initialise a timm ViT from a checkpoint file, as MAE ``main_finetune.py`` does.
+
+    A head of another shape is dropped, the position embedding is resampled to the model's grid
+    (timm's ``resample_abs_pos_embed``, MAE's ``interpolate_pos_embed``), keys the model lacks
+    (MAE's decoder and mask token, the final ``norm`` under global pooling) are ignored.
+
+    Args:
+        model: a timm ``VisionTransformer``, filled in place.
+        path: checkpoint file (see :func:`pretrained_vit_weights`).
+
+    Returns:
+        ``(missing, ignored)``: the model's keys left as built (a subset of the head and
+        ``fc_norm``) and the file's keys not loaded.
+
+    Raises:
+        KeyError: the file lacks encoder weights the model has.
+        ValueError: a weight's shape differs (the file's ViT is not ``model_kwargs``'s).
+    """
+    state = dict(pretrained_vit_weights(path))
+    own = model.state_dict()
+    for key in ("head.weight", "head.bias"):
+        if key in state and key in own and state[key].shape != own[key].shape:
+            del state[key]
+    pos = state.get("pos_embed")
+    if pos is not None and "pos_embed" in own and pos.shape != own["pos_embed"].shape:
+        grid = model.patch_embed.grid_size
+        state["pos_embed"] = resample_abs_pos_embed(pos, new_size=list(grid), num_prefix_tokens=model.num_prefix_tokens)
+    ignored = sorted(k for k in state if k not in own)
+    state = {k: v for k, v in state.items() if k in own}
+    wrong = [f"{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in state.items()
+             if v.shape != own[k].shape]
+    if wrong:
+        raise ValueError(f"{path}: weights of another shape ({'; '.join(wrong[:4])}): set model.model_kwargs "
+                         "(patch_size, embed_dim, depth, num_heads, ...) to those of the pretrained ViT")
+    missing = sorted(set(own) - set(state))
+    lacking = [k for k in missing if k not in NEW_KEYS]
+    if lacking:
+        more = " ..." if len(lacking) > 8 else ""
+        raise KeyError(f"{path}: the checkpoint lacks encoder weights {lacking[:8]}{more}")
+    model.load_state_dict(state, strict=False)
+    return missing, ignored
+
+
+class ImageClassifier(LightningModule):
+    """Fine-tune a timm ViT with a new head (MAE's end-to-end fine-tuning protocol).
+
+    Args:
+        num_classes: classes of the new head.
+        model_name: timm model name; ``model_kwargs`` override its shape (any timm ViT).
+        model_kwargs: extra ``timm.create_model`` arguments, e.g. ``patch_size``, ``embed_dim``,
+            ``depth``, ``num_heads``, ``mlp_ratio`` of the pretrained ViT.
+        image_size: input side in pixels (``img_size`` of the timm model; linked to the data).
+        global_pool: ``"avg"``: mean of the patch tokens then ``fc_norm`` (MAE's default,
+            ``--global_pool``); ``"token"``: the final-norm cls token (``--cls_token``).
+        drop_path_rate: stochastic depth (MAE: 0.1 ViT-B, 0.2 ViT-L, 0.3 ViT-H).
+        init_encoder: checkpoint to initialise the ViT from (see :func:`pretrained_vit_weights`);
+            ``None`` trains from scratch. ``load_from_checkpoint(..., init_encoder=None)`` skips it.
+        head_init_std: std of the new head's truncated-normal weights when ``init_encoder`` is set
+            (MAE ``main_finetune.py``: 2e-5); from scratch the head keeps timm's initialisation.
+        optimizer: optimizer factory over the layer-decay groups.
+        blr: base LR; each group's peak LR is blr x global batch / 256 x its layer scale. ``None``
+            keeps the optimizer's own ``lr`` as the peak.
+        layer_decay: layer-wise LR decay (MAE: 0.65 ViT-B, 0.75 ViT-L/H; 1.0 turns it off).
+        weight_decay: AdamW weight decay of the decayed groups (MAE: 0.05).
+        warmup_epochs: linear warm-up in epochs, per step (MAE: 5).
+        min_lr: LR floor of the cosine, before layer scaling (MAE: 1e-6).
+        mixup: Mixup alpha (MAE: 0.8; 0 with ``cutmix`` 0 turns both off).
+        cutmix: CutMix alpha (MAE: 1.0).
+        mixup_prob: probability of mixing a batch (MAE: 1.0).
+        mixup_switch_prob: probability of CutMix over Mixup when both are on (MAE: 0.5).
+        mixup_mode: ``"batch"``, ``"pair"`` or ``"elem"`` (MAE: batch).
+        label_smoothing: label smoothing (MAE: 0.1), in the mixed targets or the loss.
+        image_mean: per-channel normalisation mean (linked to the data module).
+        image_std: per-channel normalisation std, likewise.
+    """
+
+    tokenizer = None  # images and labels only; the CLI links this into the data module
+
+    def __init__(
+        self,
+        num_classes: int = 1000,
+        model_name: str = "vit_base_patch16_224",
+        model_kwargs: Optional[dict[str, Any]] = None,
+        image_size: int = 224,
+        global_pool: str = "avg",
+        drop_path_rate: float = 0.1,
+        init_encoder: Optional[str] = None,
+        head_init_std: float = 2e-5,
+        optimizer: OptimizerCallable = finetune_adamw,
+        blr: Optional[float] = 5e-4,
+        layer_decay: float = 0.65,
+        weight_decay: float = 0.05,
+        warmup_epochs: float = 5.0,
+        min_lr: float = 1e-6,
+        mixup: float = 0.8,
+        cutmix: float = 1.0,
+        mixup_prob: float = 1.0,
+        mixup_switch_prob: float = 0.5,
+        mixup_mode: str = "batch",
+        label_smoothing: float = 0.1,
+        image_mean: tuple[float, float, float] = IMAGENET_MEAN,
+        image_std: tuple[float, float, float] = IMAGENET_STD,
+    ) -> None:
+        super().__init__()
+        if num_classes < 2:
+            raise ValueError(f"model.num_classes must be >= 2, got {num_classes}")
+        if global_pool not in ("avg", "token"):
+            raise ValueError(f"model.global_pool must be 'avg' (MAE's default) or 'token', got {global_pool!r}")
+        if not 0.0 < layer_decay <= 1.0:
+            raise ValueError(f"model.layer_decay must be in (0, 1], got {layer_decay}")
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.num_classes, self.image_size = num_classes, image_size
+        self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
+        self.optimizer = optimizer
+        self.blr, self.layer_decay, self.weight_decay = blr, layer_decay, weight_decay
+        self.warmup_epochs, self.min_lr = warmup_epochs, min_lr
+        self.model = timm.create_model(
+            model_name, pretrained=False, num_classes=num_classes, global_pool=global_pool,
+            drop_path_rate=drop_path_rate, img_size=image_size, **(model_kwargs or {}),
+        )
+        if not hasattr(self.model, "blocks"):
+            raise ValueError(f"model.model_name={model_name!r}: layer-wise LR decay needs a ViT with `blocks`")
+        if init_encoder:
+            missing, ignored = load_pretrained(self.model, init_encoder)
+            if "head.weight" in missing:  # MAE main_finetune.py: manually initialize fc layer
+                trunc_normal_(self.model.head.weight, std=head_init_std)
+            rank_zero_info(f"ImageClassifier: encoder from {init_encoder}; new {missing}; "
+                           f"not loaded: {len(ignored)} keys {ignored[:6]}")
+        self.mixup_fn: Optional[Mixup] = None
+        if mixup > 0 or cutmix > 0:
+            self.mixup_fn = Mixup(
+                mixup_alpha=mixup, cutmix_alpha=cutmix, prob=mixup_prob, switch_prob=mixup_switch_prob,
+                mode=mixup_mode, label_smoothing=label_smoothing, num_classes=num_classes)
+            self.train_loss_fn: nn.Module = SoftTargetCrossEntropy()  # smoothing is in the mixed targets
+        elif label_smoothing > 0:
+            self.train_loss_fn = LabelSmoothingCrossEntropy(smoothing=label_smoothing)
+        else:
+            self.train_loss_fn = nn.CrossEntropyLoss()
+        # Correct and seen counts summed over ranks inside compute (a rank without batches joins).
+        self.val_top1 = MulticlassAccuracy(num_classes, top_k=1, average="micro")
+        self.val_top5 = MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro")
+        self.val_loss = MeanMetric()
+
+    # ---- named stages (timm forward_features / forward_head) ---------------------------------
+
+    def forward_features(self, images: Tensor) -> Tensor:
+        """(B, 3, H, W) -> (B, 1+L, D) tokens (timm ``forward_features``; un-normed under avg pool)."""
+        return self.model.forward_features(images)
+
+    def encode_image(self, images: Tensor) -> Tensor:
+        """(B, 3, H, W) -> (B, D) pooled features before the head (what probes read)."""
+        return self.model.forward_head(self.model.forward_features(images), pre_logits=True)
+
+    def forward(self, images: Tensor) -> Tensor:
+        """(B, 3, H, W) -> (B, num_classes) logits."""
+        return self.model(images)
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def on_fit_start(self) -> None:
+        # Each rank draws its own drop-path masks and mixes (MAE seeds args.seed + rank); timm's
+        # Mixup draws from numpy's global RNG, so that is seeded per rank too.
+        seed_per_rank(self.global_rank, self.trainer.world_size)
+        np.random.seed(torch.initial_seed() % 2**32)
+
+    def _labels(self, batch: dict[str, Tensor]) -> Tensor:
+        if "label" not in batch:
+            raise KeyError("ImageClassifier needs labelled samples: the batch has no 'label'; the shards need a "
+                           "class entry (data.label_key, default 'cls') in every sample")
+        labels = batch["label"]
+        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
+            raise ValueError(f"labels must be in [0, model.num_classes={self.num_classes}), "
+                             f"got {int(labels.min())}..{int(labels.max())}")
+        return labels
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        images, labels = batch["image"], self._labels(batch)
+        if self.mixup_fn is not None:
+            if images.shape[0] % 2:
+                raise ValueError(f"timm's Mixup needs an even batch, got {images.shape[0]}: set data.batch_size even")
+            images, targets = self.mixup_fn(images, labels)  # (B, 3, H, W), (B, num_classes) soft
+            loss = self.train_loss_fn(self(images), targets)
+        else:
+            loss = self.train_loss_fn(self(images), labels)
+        self.log("train/loss", loss, prog_bar=True, batch_size=images.shape[0])
+        if self._trainer is not None and self.trainer.optimizers and logging_step(self._trainer):
+            # The head's group is at layer scale 1: this is the schedule's LR.
+            self.log("train/lr", max(g["lr"] for g in self.trainer.optimizers[0].param_groups))
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        images, labels = batch["image"], self._labels(batch)
+        logits = self(images)  # (B, num_classes)
+        self.val_top1.update(logits, labels)
+        self.val_top5.update(logits, labels)
+        # MAE engine_finetune.evaluate: plain cross-entropy, no smoothing.
+        self.val_loss.update(F.cross_entropy(logits, labels), weight=images.shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        # Logged as metric objects: Lightning computes (a reduction over ranks, joined by every
+        # rank, including one whose share of the validation shards was empty) and resets them.
+        self.log("val/top1", self.val_top1, prog_bar=True)
+        self.log("val/top5", self.val_top5)
+        self.log("val/loss", self.val_loss)
+
+    # ---- optimisation --------------------------------------------------------------------------
+
+    def _global_batch_size(self) -> int:
+        """Per-device batch x devices x accumulation (MAE ``eff_batch_size``)."""
+        per_device = getattr(self.trainer.datamodule, "batch_size", None)
+        if per_device is None and self.trainer.train_dataloader is not None:
+            per_device = getattr(self.trainer.train_dataloader, "batch_size", None)
+        if per_device is None:
+            raise ValueError("ImageClassifier(blr=...) needs the data module's `batch_size`; set model.blr "
+                             "to null and give the optimizer an lr instead")
+        return int(per_device) * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    def configure_optimizers(self) -> dict:
+        # MAE util/lr_decay.py param_groups_lrd: timm's version gives the same layer ids
+        # (cls_token, pos_embed, patch_embed: 0; blocks.i: i+1; the rest: depth+1) and scales
+        # layer_decay ** (depth + 1 - id), no weight decay for 1-D params and no_weight_decay().
+        groups = param_groups_layer_decay(
+            self.model, weight_decay=self.weight_decay, no_weight_decay_list=self.model.no_weight_decay(),
+            layer_decay=self.layer_decay)
+        optimizer = self.optimizer(groups)
+        total_steps = self.trainer.estimated_stepping_batches  # loads the training loader
+        lr = optimizer.param_groups[0]["lr"]
+        if self.blr is not None:
+            global_batch = self._global_batch_size()
+            lr = self.blr * global_batch / 256  # MAE main_finetune.py: lr = blr * eff_batch_size / 256
+            rank_zero_info(f"ImageClassifier: lr {lr:.3e} = blr {self.blr:.3e} x global batch {global_batch} / 256")
+        for group in optimizer.param_groups:  # MAE util/lr_sched.py: lr x lr_scale per group
+            group["lr"] = group["initial_lr"] = lr * group["lr_scale"]
+        batches = self.trainer.num_training_batches
+        if not math.isfinite(batches):  # a loader without a length: epochs from the step budget
+            batches = total_steps * self.trainer.accumulate_grad_batches / max(1, self.trainer.max_epochs or 1)
+        steps_per_epoch = max(1, int(batches) // self.trainer.accumulate_grad_batches)
+        warmup = round(self.warmup_epochs * steps_per_epoch)
+        min_ratio = min(1.0, self.min_lr / lr) if lr > 0 else 0.0
+        scheduler = warmup_cosine(optimizer, warmup, total_steps, min_ratio)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
