@@ -68,8 +68,10 @@ def _launch(args: list[str], cwd: Path, timeout: float, ranks: int = 1) -> list[
     return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs)]
 
 
-def _config(tmp_path: Path, root: Path, demo_root: str, batch_size: int, workers: int, max_steps: int) -> list[str]:
-    """CLI arguments of the demo CLIP recipe shrunk to seconds, checkpointing every step."""
+def _config(tmp_path: Path, root: Path, demo_root: str, batch_size: int, workers: int, max_steps: int,
+            tune_steps: int = 0) -> list[str]:
+    """CLI arguments of the demo CLIP recipe shrunk to seconds, checkpointing every step; the
+    last ``tune_steps`` steps are FLIP's unmasked tuning phase (2 warm-up steps, 1% LR)."""
     overrides = {
         "trainer": {
             "max_steps": max_steps, "log_every_n_steps": 1, "enable_progress_bar": False,
@@ -88,7 +90,8 @@ def _config(tmp_path: Path, root: Path, demo_root: str, batch_size: int, workers
                 {"class_path": "tests.helpers.DumpParams", "init_args": {"folder": str(root / "params")}},
             ],
         },
-        "model": {"init_args": {"model_name": MICRO_CLIP, "warmup_steps": 2, "image_mask_ratio": 0.5}},
+        "model": {"init_args": {"model_name": MICRO_CLIP, "warmup_steps": 2, "image_mask_ratio": 0.5,
+                                "unmasked_tune_steps": tune_steps, "unmasked_tune_warmup_steps": 2}},
         "data": {"init_args": {"demo_dir": demo_root, "batch_size": batch_size, "num_workers": workers,
                                "crop_scale": [0.5, 1.0], "hflip": True}},
     }
@@ -142,6 +145,9 @@ def _assert_same_logs(run: Path, reference: Path) -> None:
 def single(tmp_path_factory, tiny_demo) -> dict:
     """An uninterrupted run and a run SIGKILLed at step 11 (8 steps an epoch: batch 3 of epoch 1).
 
+    Steps 9-12 are FLIP's unmasked tuning phase: the killed run resumes inside it (at step 10,
+    mid warm-up), the boundary copies resume at step 8 (masked) and cross into it.
+
     Returns ``{"args": root -> CLI args, "reference": Path, "killed": Path, "boundary": Path,
     "validated": Path}``; ``boundary`` and ``validated`` are copies of the killed run folder whose
     newest checkpoint (``last.ckpt``) is the end of epoch 0, written after its last step or after
@@ -151,7 +157,7 @@ def single(tmp_path_factory, tiny_demo) -> dict:
     torch.set_num_threads(1)  # as in the killed subprocess (OMP_NUM_THREADS=1): same float sums
 
     def args(root: Path) -> list[str]:  # 64 samples, batch 8: 8 steps an epoch; validation on
-        return _config(tmp_path, root, tiny_demo.root, batch_size=8, workers=2, max_steps=13)
+        return _config(tmp_path, root, tiny_demo.root, batch_size=8, workers=2, max_steps=13, tune_steps=4)
 
     reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     boundary, validated = tmp_path / "boundary", tmp_path / "validated"
@@ -182,6 +188,12 @@ def test_sigkilled_run_resumes_mid_epoch_exactly(single):
     ckpt = torch.load(_last(killed), weights_only=True)
     assert ckpt["global_step"] == 13 and ckpt["epoch"] == 1
     assert ckpt["lr_schedulers"][0]["last_epoch"] == 13  # the schedule continued, not restarted
+    rows = list(csv.DictReader(open(killed / "version_0" / "metrics.csv")))
+    lr = {int(r["step"]): float(r["lr-AdamW/pg1"]) for r in rows if r.get("lr-AdamW/pg1")}
+    mask = {int(r["step"]): float(r["train/image_mask_ratio"]) for r in rows if r.get("train/image_mask_ratio")}
+    peak = lr[1]  # end of the masked warm-up
+    assert [lr[s] / peak for s in (9, 10, 11, 12)] == pytest.approx([0.005, 0.01, 0.01, 0.005])  # the tuning phase
+    assert [mask[s] for s in range(13)] == [0.5] * 9 + [0.0] * 4
     assert _position(killed) == _position(reference)  # the data stream agrees with the step count
     _assert_same_params(killed, reference)
     _assert_same_logs(killed / "version_0", reference / "version_0")

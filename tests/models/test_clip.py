@@ -177,3 +177,15 @@ def test_trimming_is_refused_where_padding_changes_the_output(tmp_path):
     assert not CLIP(str(path)).trim_text_padding  # auto: off for a bidirectional tower
     with pytest.raises(ValueError, match="model.trim_text_padding"):
         CLIP(str(path), trim_text_padding=True)
+
+
+def test_hugging_face_tokenizer_is_read_locally_never_downloaded(tmp_path):
+    from mmssl.models.clip import build_tokenizer, resolve_model_name
+
+    name = resolve_model_name(str(Path(__file__).resolve().parents[2] / "configs/models/siglip_vit_b16.json"))
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download timm/ViT-B-16-SigLIP"):
+        build_tokenizer(name)  # no folder given: a clear error, not a download
+    with pytest.raises(FileNotFoundError, match="model.tokenizer"):
+        build_tokenizer(name, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="built-in BPE"):
+        build_tokenizer("ViT-B-32", str(tmp_path))
