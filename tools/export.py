@@ -2,6 +2,13 @@
 
     python tools/export.py --ckpt runs/mae/checkpoints/last.ckpt --format timm --output vit.pth
     python tools/export.py --ckpt runs/clip/checkpoints/last.ckpt --format open_clip --output clip.pth
+    python tools/export.py --ckpt runs/clip/checkpoints/last.ckpt --format hf --output clip_hf/
+    python tools/export.py --ckpt runs/clip/checkpoints/last.ckpt --format open_clip_hf --output clip_oc/
+    python tools/export.py --ckpt runs/mae/checkpoints/last.ckpt --format timm --output vit_timm/
+
+``hf`` writes a transformers CLIPModel folder (needs ``pip install -e '.[hf]'``), ``open_clip_hf``
+an open_clip hub folder (``local-dir:``), ``timm`` with a folder output a timm hub folder
+(``model.safetensors`` + ``config.json``). Nothing is uploaded: ``huggingface-cli upload`` does that.
 
 The checkpoint is read as weights only: a file that pickles anything but tensors and plain data
 is refused (mmssl.checkpoints).
@@ -11,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from mmssl.export import EXPORTERS, export_checkpoint
+from mmssl.export import FORMATS, export_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,8 +26,9 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--ckpt", required=True, help="Lightning checkpoint written by `mmssl fit`")
-    parser.add_argument("--format", required=True, choices=sorted(EXPORTERS), help="target library")
-    parser.add_argument("--output", required=True, help="output file (.pth, or .safetensors)")
+    parser.add_argument("--format", required=True, choices=FORMATS, help="target library")
+    parser.add_argument("--output", required=True,
+                        help="output file (.pth / .safetensors: timm, open_clip) or folder (hf, open_clip_hf, timm)")
     args = parser.parse_args(argv)
     state = export_checkpoint(args.ckpt, args.format, args.output)
     print(f"wrote {len(state)} tensors ({args.format}) to {args.output}")

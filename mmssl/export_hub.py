@@ -1,0 +1,168 @@
+"""Hub-style folders of mmssl checkpoints: what ``open_clip`` and ``timm`` load from a directory.
+
+* ``open_clip_hf``: ``open_clip_config.json`` (``model_cfg`` + ``preprocess_cfg``) and
+  ``open_clip_model.safetensors``, the files open_clip's ``push_to_hf_hub`` writes and its
+  ``local-dir:`` / ``hf-hub:`` schemas read: ``open_clip.create_model_and_transforms("local-dir:DIR")``.
+* ``timm``: ``model.safetensors`` and ``config.json`` (``architecture``, ``model_args``,
+  ``pretrained_cfg``), written by timm's own ``save_for_hf``:
+  ``timm.create_model("local-dir:DIR", pretrained=True)``, or
+  ``timm.create_model(ARCH, pretrained=True, pretrained_cfg_overlay=dict(file=".../model.safetensors"), **model_args)``.
+
+Writing the folder is the product; uploading is ``huggingface-cli upload NAME DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+StateDict = dict[str, torch.Tensor]
+
+
+def _clean(state: StateDict) -> StateDict:
+    """Detached, contiguous, unshared tensors (safetensors refuses shared storage)."""
+    return {k: v.detach().contiguous().clone() for k, v in state.items()}
+
+
+# ---- open_clip ------------------------------------------------------------------------------
+
+
+def open_clip_config(module: nn.Module) -> dict:
+    """The open_clip ``model_cfg`` that rebuilds ``module.model`` (an mmssl ``CLIP``).
+
+    open_clip's registered config for the module's ``model_name``, plus ``init_logit_bias`` when
+    the model has a bias (SigLIP), so that ``create_model`` builds the ``logit_bias`` parameter
+    the weights hold (its value comes from the weights).
+    """
+    import open_clip
+
+    from mmssl.models.clip import resolve_model_name
+
+    cfg = open_clip.get_model_config(resolve_model_name(module.hparams["model_name"]))
+    if cfg is None:
+        raise ValueError(f"open_clip has no config for {module.hparams['model_name']!r}")
+    if getattr(module.model, "logit_bias", None) is not None:
+        cfg["init_logit_bias"] = float(module.model.logit_bias.detach().reshape(-1)[0])
+    return cfg
+
+
+def write_open_clip_hf(module: nn.Module, output: str) -> StateDict:
+    """Write an mmssl ``CLIP`` as an open_clip hub folder.
+
+    Args:
+        module: the ``CLIP`` LightningModule, weights loaded.
+        output: folder to write (created).
+
+    Returns:
+        The saved state dict.
+    """
+    from open_clip.push_to_hf_hub import save_config_for_hf  # open_clip's own config writer
+    from safetensors.torch import save_file
+
+    os.makedirs(output, exist_ok=True)
+    state = _clean(module.model.state_dict())
+    save_file(state, os.path.join(output, "open_clip_model.safetensors"))
+    # preprocess_cfg: the image mean and std open_clip's transforms read back (size: model_cfg).
+    save_config_for_hf(module.model, Path(output, "open_clip_config.json"), model_config=open_clip_config(module))
+    return state
+
+
+# ---- timm -----------------------------------------------------------------------------------
+
+
+@dataclass
+class TimmExport:
+    """A timm model holding the exported weights, and what rebuilds it.
+
+    Attributes:
+        model: the timm model (weights loaded strictly).
+        model_args: ``timm.create_model`` keyword arguments beside the architecture name.
+        model_config: extra ``config.json`` fields (``label_names``, ...) for timm's writer.
+    """
+
+    model: nn.Module
+    model_args: dict
+    model_config: dict = field(default_factory=dict)
+
+
+def timm_vit_name(patch_size: int, embed_dim: int, depth: int, num_heads: int, image_size: int) -> str:
+    """A registered timm ViT name close to these sizes (the ``architecture`` in ``config.json``).
+
+    ``model_args`` carry every size, so the name only has to be a ``VisionTransformer`` that
+    timm builds; the nearest of timm's sizes (by width) is the most telling for readers.
+    """
+    import timm
+
+    sizes = {"tiny": 192, "small": 384, "base": 768, "large": 1024, "huge": 1280}
+    ordered = sorted(sizes, key=lambda s: abs(sizes[s] - embed_dim))
+    for size in ordered:
+        for name in (f"vit_{size}_patch{patch_size}_{image_size}", f"vit_{size}_patch{patch_size}_224",
+                     f"vit_{size}_patch16_224"):
+            if name in timm.list_models():
+                return name
+    return "vit_base_patch16_224"
+
+
+def timm_from_mae(module: nn.Module) -> Optional[TimmExport]:
+    """An mmssl ``MAE``'s encoder as a timm ``VisionTransformer`` (``num_classes=0``, token pool)."""
+    import timm
+
+    from mmssl.export import to_timm
+
+    hp = module.hparams
+    if "decoder_embed_dim" not in hp:
+        return None
+    args = dict(img_size=hp["image_size"], patch_size=hp["patch_size"], embed_dim=hp["embed_dim"],
+                depth=hp["depth"], num_heads=hp["num_heads"], mlp_ratio=hp["mlp_ratio"],
+                num_classes=0, global_pool="token")
+    name = timm_vit_name(hp["patch_size"], hp["embed_dim"], hp["depth"], hp["num_heads"], hp["image_size"])
+    model = timm.create_model(name, pretrained=False, **args)
+    model.load_state_dict(to_timm(module.state_dict()), strict=True)
+    # The model's normalisation and size, for timm's data config (resolve_data_config).
+    model.pretrained_cfg = {**model.pretrained_cfg, "mean": tuple(module.image_mean), "std": tuple(module.image_std),
+                            "input_size": (3, hp["image_size"], hp["image_size"]), "crop_pct": 1.0,
+                            "num_classes": 0, "architecture": name}
+    return TimmExport(model.eval(), {"architecture": name, **args})
+
+
+# What a checkpoint may hold that becomes a timm model: each returns ``None`` when the module is
+# not its kind. A module kind with a timm image model (a fine-tuned classifier with its head,
+# say) adds its function here.
+TIMM_SOURCES: list[Callable[[nn.Module], Optional[TimmExport]]] = [timm_from_mae]
+
+
+def write_timm_folder(module: nn.Module, output: str) -> StateDict:
+    """Write a timm hub folder (``model.safetensors`` + ``config.json``) with timm's own writer.
+
+    Args:
+        module: an mmssl LightningModule one of :data:`TIMM_SOURCES` converts.
+        output: folder to write (created).
+
+    Returns:
+        The saved state dict.
+    """
+    from timm.models._hub import save_for_hf  # timm's push_to_hf_hub writer, without the upload
+
+    export = next((e for e in (f(module) for f in TIMM_SOURCES) if e is not None), None)
+    if export is None:
+        raise ValueError(f"--format timm: a {type(module).__name__} checkpoint has no timm image model "
+                         "(MAE encoders export to timm; CLIP checkpoints: --format open_clip, open_clip_hf or hf)")
+    args = dict(export.model_args)
+    architecture = args.pop("architecture")
+    save_for_hf(export.model, output, model_config=dict(export.model_config), model_args=args, safe_serialization=True)
+    # timm records only the reconstruction arguments its factory saw; write ours in full, so
+    # that local-dir: rebuilds these sizes whatever the registered name's defaults.
+    path = os.path.join(output, "config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["architecture"] = architecture
+    config["model_args"] = {**config.get("model_args", {}), **args}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return export.model.state_dict()
