@@ -12,15 +12,18 @@ import contextlib
 import json
 from typing import Iterator, Optional
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 import mmssl.models.flip as flip_module
 import mmssl.models.gradcache as gradcache_module
+from mmssl.callbacks.guards import NonFiniteGuard
 from mmssl.models.clip import CLIP
 from mmssl.models.masking import Masking
 
@@ -108,6 +111,36 @@ def test_no_grad_forward_in_chunks_gives_the_same_features(tiny_clip_json):
         image, text = gradcache_module.cached_features(model._encode_pair, images, tokens, 3)
     torch.testing.assert_close(image, whole["image_features"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(text, whole["text_features"], rtol=1e-5, atol=1e-6)
+
+
+def _fit(json_path: str, chunk: Optional[int]) -> dict[str, torch.Tensor]:
+    """2 optimizer steps of Lightning's automatic optimization, each accumulating 2 batches of 8."""
+    torch.manual_seed(0)
+    # SGD: Adam would turn the key bias's zero gradient (softmax ignores it; float noise, chunked
+    # or not) into a full-size step in a random direction, hiding what is compared here.
+    model = CLIP(json_path, image_mask_ratio=0.5, contrastive_chunk_size=chunk, warmup_steps=1,
+                 optimizer=lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9))
+    images, tokens = _batch(model)
+    batches = [{"image": images.roll(i, dims=0), "text": tokens.roll(i, dims=0)} for i in range(4)]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, accumulate_grad_batches=2, gradient_clip_val=0.5,
+        callbacks=[NonFiniteGuard()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    torch.manual_seed(5)
+    trainer.fit(model, DataLoader(batches, batch_size=None))
+    assert trainer.global_step == 2
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_fit_with_accumulation_and_clipping_equals_the_unchunked_fit(tiny_clip_json):
+    """Lightning's one backward per batch is kept: accumulation, clipping, schedule, guard unchanged."""
+    plain, chunked = _fit(tiny_clip_json, None), _fit(tiny_clip_json, 3)
+    torch.manual_seed(0)
+    start = CLIP(tiny_clip_json).state_dict()
+    assert not torch.equal(plain["model.visual.conv1.weight"], start["model.visual.conv1.weight"])
+    for name, value in plain.items():
+        torch.testing.assert_close(chunked[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 # The second pass replays each chunk's random state: FLIP masks and drop path, on a timm tower.

@@ -1,0 +1,62 @@
+"""GradCache through the real CLI: 2 gloo ranks with chunking train what one process trains.
+
+An 8-sample training set, 4 per rank on 2 ranks, 8 in one process: every epoch is ONE global batch
+holding all 8 samples in both runs (mmssl.data.plan deals contiguous runs and shuffles within a
+rank), so the two runs take the same optimizer steps (the contrastive loss does not depend on the
+order of the pairs). The 2-process run chunks 3 + 1 per rank; the one-process run does not chunk.
+Gradient clipping, the warm-up/cosine schedule, NonFiniteGuard and validation (zero-shot, loss,
+retrieval) are all on. FLIP is off here: each rank draws its own masks, so masked runs of 1 and 2
+processes differ by design (chunked FLIP against the whole batch on 1 and 2 ranks, and
+accumulation: tests/models/test_gradcache.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl
+
+from mmssl.checkpoints import read_checkpoint
+from mmssl.data.demo import ensure_demo_data
+
+
+# SGD: AdamW would turn the key bias's zero gradient (float noise in any two runs) into full-size
+# steps in random directions, hiding what is compared.
+SGD = '{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.9}}'
+
+
+def test_two_chunked_ranks_train_what_one_plain_process_trains(tmp_path, tiny_clip_json):
+    demo = ensure_demo_data(str(tmp_path / "demo"), num_train=8, num_val=16, shard_size=8, image_size=32)
+    runs = {}
+    for processes, chunk in ((2, 3), (1, None)):
+        folder = tmp_path / f"p{processes}"
+        folder.mkdir()
+        ddp = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT] if processes == 2 else []
+        out = run_mmssl([
+            "fit", "--config", str(REPO / "configs/demo/clip.yaml"), *ddp,
+            f"--model.init_args.model_name={tiny_clip_json}", f"--model.init_args.contrastive_chunk_size={chunk or 'null'}",
+            "--model.init_args.warmup_steps=1", f"--model.init_args.optimizer={SGD}", f"--data.init_args.demo_dir={demo.root}",
+            f"--data.init_args.batch_size={8 // processes}", "--data.init_args.num_workers=0",
+            "--trainer.max_epochs=2", "--trainer.gradient_clip_val=0.5",
+            "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={folder / 'runs'}",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.callbacks+=helpers.DumpParams", f"--trainer.callbacks.folder={folder / 'params'}",
+        ], folder, timeout=240)
+        assert out.returncode == 0, out.stdout[-3000:]
+        assert f"world_size={processes}" in out.stdout and "global_batch_size=8" in out.stdout
+        params = [torch.load(folder / "params" / f"rank{r}.pt") for r in range(processes)]
+        for name in params[0]:  # DDP ranks end identical, chunking or not
+            torch.testing.assert_close(params[-1][name], params[0][name], rtol=0, atol=0, msg=name)
+        runs[processes] = (params[0], last_metrics(folder / "runs" / "version_0", ("val/", "train/", "epoch")))
+    (two, two_metrics), (one, one_metrics) = runs[2], runs[1]
+    assert two_metrics["epoch"] == one_metrics["epoch"] == 1
+    assert {"val/loss", "val/zero_shot_top1", "val/i2t_R@1", "train/loss"} <= two_metrics.keys()
+    # (val/loss is an in-batch loss: batches of 4 per rank against 8 in one process differ by design)
+    for key in ("val/zero_shot_top1", "val/zero_shot_top5", "val/i2t_R@1", "val/i2t_R@5", "val/t2i_R@5"):
+        assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-4, abs=1e-5), key
+    for name, value in one.items():
+        torch.testing.assert_close(two[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    # Both trained: one optimizer step per epoch.
+    for processes in (1, 2):
+        (last,) = (tmp_path / f"p{processes}" / "runs").glob("version_0/checkpoints/last.ckpt")
+        assert read_checkpoint(str(last))["global_step"] == 2
