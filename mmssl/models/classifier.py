@@ -15,6 +15,7 @@ tower is a timm model, an exported timm state dict, an MAE release, or nothing (
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional
 
 import numpy as np
@@ -222,6 +223,8 @@ class ImageClassifier(LightningModule):
         if not hasattr(self.model, "blocks"):
             raise ValueError(f"model.model_name={model_name!r}: layer-wise LR decay needs a ViT with `blocks`")
         if init_encoder:
+            if not os.path.isfile(init_encoder):
+                raise FileNotFoundError(f"model.init_encoder: no checkpoint file at {init_encoder!r}")
             missing, ignored = load_pretrained(self.model, init_encoder)
             if "head.weight" in missing:  # MAE main_finetune.py: manually initialize fc layer
                 trunc_normal_(self.model.head.weight, std=head_init_std)
