@@ -18,6 +18,7 @@ import open_clip
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from open_clip.transformer import text_global_pool
 from torch import Tensor
@@ -112,6 +113,13 @@ def build_tokenizer(name: str, local_dir: Optional[str] = None) -> Callable:
 
     return HFTokenizer(local_dir, context_length=text_cfg.get("context_length", 77),
                        **text_cfg.get("tokenizer_kwargs", {}))
+
+
+def _scalars_to_open_clip_shape(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    for key in ("logit_scale", "logit_bias"):
+        name = f"{prefix}model.{key}"
+        if name in state_dict and state_dict[name].ndim == 1:
+            state_dict[name] = state_dict[name].reshape(())
 
 
 def _checkpoint_has(path: str, key: str) -> bool:
@@ -248,6 +256,10 @@ class CLIP(pl.LightningModule):
         # open_clip_train/main.py: exclude = p.ndim < 2 or "bn"/"ln"/"bias"/"logit_scale" in n.
         self.no_weight_decay = list(OPEN_CLIP_NO_DECAY if no_weight_decay is None else no_weight_decay)
         self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
+        # Checkpoints hold logit_scale / logit_bias 0-d (open_clip's shape) whatever shape they
+        # have in this process (1-D under FSDP, see configure_model).
+        self._register_state_dict_hook(_scalars_to_open_clip_shape)
+        self._register_load_state_dict_pre_hook(self._scalars_to_own_shape)
         unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
         if unmatched:
             rank_zero_warn(f"model.no_weight_decay: {unmatched} match no parameter of {model_name!r}")
@@ -376,6 +388,26 @@ class CLIP(pl.LightningModule):
         return clip_loss(image, text, out["logit_scale"], all_image, all_text, offset)
 
     # Training ----------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        # FSDP 1 refuses 0-d parameters ("FSDP doesn't support scalar parameters"), and open_clip's
+        # logit_scale / logit_bias are 0-d: Lightning calls this hook before it wraps the model.
+        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+            self.scalars_as_vectors()
+
+    def scalars_as_vectors(self) -> None:
+        """Give ``logit_scale`` / ``logit_bias`` shape (1,) (same values), as FSDP 1 needs; the
+        losses broadcast them and checkpoints keep open_clip's 0-d shape."""
+        for key in ("logit_scale", "logit_bias"):
+            param = getattr(self.model, key, None)
+            if isinstance(param, torch.nn.Parameter) and param.ndim == 0:
+                setattr(self.model, key, torch.nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
+
+    def _scalars_to_own_shape(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        for key in ("logit_scale", "logit_bias"):
+            param, name = getattr(self.model, key, None), f"{prefix}model.{key}"
+            if param is not None and name in state_dict and state_dict[name].numel() == 1:
+                state_dict[name] = state_dict[name].reshape(param.shape)
 
     def on_fit_start(self) -> None:
         seed_per_rank(self.global_rank, self.trainer.world_size)  # each rank draws its own FLIP masks and dropout
