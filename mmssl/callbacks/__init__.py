@@ -4,10 +4,11 @@ from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.knn import KNNProbe
 from mmssl.callbacks.linear_probe import LinearProbe
 from mmssl.callbacks.log_step import LogStepOnResume
+from mmssl.callbacks.projector import EmbeddingProjector
 from mmssl.callbacks.reconstructions import Reconstructions
 from mmssl.callbacks.rng_state import RNGState
 from mmssl.callbacks.summary import RunSummary
 from mmssl.callbacks.throughput import Throughput
 from mmssl.callbacks.zero_shot import ZeroShot
 
-__all__ = ["EvaluationBufferSync", "KNNProbe", "LinearProbe", "LogStepOnResume", "NonFiniteGuard", "Reconstructions", "RNGState", "RunSummary", "Throughput", "ZeroShot"]
+__all__ = ["EmbeddingProjector", "EvaluationBufferSync", "KNNProbe", "LinearProbe", "LogStepOnResume", "NonFiniteGuard", "Reconstructions", "RNGState", "RunSummary", "Throughput", "ZeroShot"]

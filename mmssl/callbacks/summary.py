@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 
 from mmssl.evaluation.online import run_folder
+from mmssl.perf.meter import count_flops
+
+COMPUTE_FILE = "compute.json"
 
 
 def run_info(trainer: pl.Trainer) -> dict[str, float | int]:
@@ -43,7 +50,59 @@ class RunSummary(pl.Callback):
     At the start of training, ``run_info`` is printed on rank 0 and recorded in the loggers'
     hyper-parameters (``hparams.yaml`` in the run folder), so the world size of a run is saved
     beside its config.
+
+    The first optimizer step of a fresh run (``global_step`` 0) runs under the project's FLOP
+    counter (:func:`mmssl.perf.meter.count_flops`: forward and backward of every micro-batch of
+    the step, math attention), and rank 0 writes ``compute.json`` to the run folder:
+    ``flops_per_step`` (this rank's count x world size: data-parallel ranks do the same work),
+    ``flops_per_step_per_device``, ``world_size`` and ``global_batch_size``. Training compute up
+    to step s is then ``flops_per_step * s`` (``tools/scaling_fit.py`` reads it, no model needed).
+    A resumed run keeps the file its first start wrote.
+
+    Args:
+        count_flops: count and record the FLOPs of the first step (off: no ``compute.json``).
     """
+
+    def __init__(self, count_flops: bool = True) -> None:
+        self.count_flops = count_flops
+        self._counting: Optional[contextlib.ExitStack] = None
+        self._counter: Any = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        # Every rank counts (no collective involved); step 0 only, so a resumed run's steps run
+        # with the default attention kernels as an uninterrupted run's did.
+        if self.count_flops and trainer.global_step == 0 and self._counting is None and self._counter is None:
+            self._counting = contextlib.ExitStack()
+            self._counter = self._counting.enter_context(count_flops())
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        # After the last micro-batch's backward, before the step and other callbacks' batch-end
+        # work (image grids, probes), which is not training compute.
+        self._stop_counting(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step > 0:  # a step that took no optimizer step (skipped) ends here
+            self._stop_counting(trainer)
+
+    def _stop_counting(self, trainer: pl.Trainer) -> None:
+        if self._counting is None:
+            return
+        self._counting.close()
+        self._counting = None
+        per_device = int(self._counter.get_total_flops())
+        if not trainer.is_global_zero:
+            return
+        info = {
+            "flops_per_step": per_device * trainer.world_size,
+            "flops_per_step_per_device": per_device,
+            "world_size": trainer.world_size,
+            "global_batch_size": run_info(trainer)["global_batch_size"],
+            "counter": "torch FlopCounterMode, forward + backward of step 0, math attention",
+        }
+        folder = run_folder(trainer)  # local; trainer.log_dir would be a broadcast
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, COMPUTE_FILE), "w") as f:
+            json.dump(info, f, indent=1)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         info = run_info(trainer)

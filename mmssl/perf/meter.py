@@ -10,7 +10,7 @@ import contextlib
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -28,6 +28,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextlib.contextmanager
+def count_flops() -> Iterator[FlopCounterMode]:
+    """Count the FLOPs of the code inside: the project's one FLOP counter.
+
+    torch's ``FlopCounterMode`` with the math attention backend: FlopCounterMode has no formula
+    for the CPU flash-attention op, and the math backend decomposes attention into the matmuls
+    it does count. Only the counted code runs with the math backend.
+
+    Yields:
+        The counter; ``counter.get_total_flops()`` once the block has ended.
+    """
+    counter = FlopCounterMode(display=False)
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        yield counter
+
+
 @dataclass
 class StepTimes:
     """Per-step wall times of the timed steps (seconds) and the images in each batch."""
@@ -43,9 +59,7 @@ class StepTimer(pl.Callback):
     A step spans from the end of the previous batch to the end of this one: fetching the batch,
     forward, backward, optimizer and logging. The data wait is the part from the previous batch's
     end to this batch's start (Lightning fetches one batch per step there). Step ``warmup - 1`` (the
-    last warm-up step, so kernels and allocators are warm) runs under ``FlopCounterMode`` with the
-    math attention backend: FlopCounterMode has no formula for the CPU flash-attention op, and the
-    math backend decomposes attention into the matmuls it does count.
+    last warm-up step, so kernels and allocators are warm) runs under :func:`count_flops`.
 
     Args:
         warmup: steps run before timing starts (at least 1: the FLOP-counted step).
@@ -67,10 +81,8 @@ class StepTimer(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._start = time.perf_counter()
         if trainer.global_step == self.warmup - 1:
-            self._counter = FlopCounterMode(display=False)
             self._counting = contextlib.ExitStack()
-            self._counting.enter_context(sdpa_kernel(SDPBackend.MATH))
-            self._counting.enter_context(self._counter)
+            self._counter = self._counting.enter_context(count_flops())
         if trainer.global_step == self.warmup and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 

@@ -1,0 +1,61 @@
+"""Attention maps of a ViT image encoder: the cls token's last-layer attention per head and the
+attention rollout over all layers (Abnar & Zuidema 2020), over each input image; one PNG each.
+
+    python tools/attention_maps.py --ckpt runs/demo_clip/version_0/checkpoints/last.ckpt \
+        --images docs/visualize/inputs/*.jpg --output attention/
+
+``--ckpt`` takes an mmssl MAE or CLIP checkpoint, or an exported state dict with ``--model``:
+a timm ViT name (``--model-kwargs '{"img_size": 32, "patch_size": 4}'``) or an open_clip
+name / JSON config. Every map is scaled to its own range; the titles give each map's maximum,
+as a share of the cls token's attention to the patches (uniform: 1 / patches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Optional
+
+from mmssl.evaluation.encoders import load_model
+from mmssl.visualize.attention import attention_maps
+from mmssl.visualize.figures import overlay_grid, save_png
+from mmssl.visualize.inputs import load_images
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="Lightning .ckpt, or a state dict with --model")
+    p.add_argument("--model", help="architecture of a state-dict file: timm name, open_clip name or .json")
+    p.add_argument("--model-kwargs", type=json.loads, default=None, help="JSON dict for timm.create_model")
+    p.add_argument("--model-class", choices=("MAE", "CLIP", "mmssl.models.mae.MAE", "mmssl.models.clip.CLIP"),
+                   help="model class if the checkpoint records none (only mmssl's own are built)")
+    p.add_argument("--images", nargs="+", required=True, help="image files")
+    p.add_argument("--output", required=True, help="folder for the PNGs")
+    p.add_argument("--head-fusion", choices=("mean", "max", "min"), default="mean",
+                   help="how the rollout combines heads (the paper: mean)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> list[str]:
+    args = parse_args(argv)
+    model = load_model(args.ckpt, args.model, args.model_kwargs, args.model_class)
+    images, views = load_images(args.images, model)
+    maps = attention_maps(model, images, args.head_fusion)
+    os.makedirs(args.output, exist_ok=True)
+    written = []
+    for i, path in enumerate(args.images):
+        heads, rollout = maps["heads"][i].numpy(), maps["rollout"][i].numpy()
+        panels = [rollout, *heads]
+        titles = [f"rollout (max {rollout.max():.2f})",
+                  *(f"head {h} (max {m.max():.2f})" for h, m in enumerate(heads, start=1))]
+        figure = overlay_grid(views[i], panels, titles, f"{os.path.basename(path)}: cls attention, "
+                              f"{heads.shape[1]}x{heads.shape[2]} patches")
+        stem = os.path.splitext(os.path.basename(path))[0]
+        written.append(save_png(figure, os.path.join(args.output, f"{stem}_attention.png")))
+        print(written[-1])
+    return written
+
+
+if __name__ == "__main__":
+    main()
