@@ -165,6 +165,7 @@ class ImageClassifier(LightningModule):
         layer_decay: layer-wise LR decay (MAE: 0.65 ViT-B, 0.75 ViT-L/H; 1.0 turns it off).
         weight_decay: AdamW weight decay of the decayed groups (MAE: 0.05).
         warmup_epochs: linear warm-up in epochs, per step (MAE: 5).
+        warmup_steps: the warm-up in optimizer steps instead (runs budgeted in steps).
         min_lr: LR floor of the cosine, before layer scaling (MAE: 1e-6).
         mixup: Mixup alpha (MAE: 0.8; 0 with ``cutmix`` 0 turns both off).
         cutmix: CutMix alpha (MAE: 1.0).
@@ -193,6 +194,7 @@ class ImageClassifier(LightningModule):
         layer_decay: float = 0.65,
         weight_decay: float = 0.05,
         warmup_epochs: float = 5.0,
+        warmup_steps: Optional[int] = None,
         min_lr: float = 1e-6,
         mixup: float = 0.8,
         cutmix: float = 1.0,
@@ -215,7 +217,7 @@ class ImageClassifier(LightningModule):
         self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
         self.optimizer = optimizer
         self.blr, self.layer_decay, self.weight_decay = blr, layer_decay, weight_decay
-        self.warmup_epochs, self.min_lr = warmup_epochs, min_lr
+        self.warmup_epochs, self.warmup_steps, self.min_lr = warmup_epochs, warmup_steps, min_lr
         self.model = timm.create_model(
             model_name, pretrained=False, num_classes=num_classes, global_pool=global_pool,
             drop_path_rate=drop_path_rate, img_size=image_size, **(model_kwargs or {}),
@@ -339,7 +341,7 @@ class ImageClassifier(LightningModule):
         if not math.isfinite(batches):  # a loader without a length: epochs from the step budget
             batches = total_steps * self.trainer.accumulate_grad_batches / max(1, self.trainer.max_epochs or 1)
         steps_per_epoch = max(1, int(batches) // self.trainer.accumulate_grad_batches)
-        warmup = round(self.warmup_epochs * steps_per_epoch)
+        warmup = self.warmup_steps if self.warmup_steps is not None else round(self.warmup_epochs * steps_per_epoch)
         min_ratio = min(1.0, self.min_lr / lr) if lr > 0 else 0.0
         scheduler = warmup_cosine(optimizer, warmup, total_steps, min_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
