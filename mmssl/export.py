@@ -37,9 +37,14 @@ def to_timm(state_dict: StateDict) -> StateDict:
 
     Returns:
         State dict for e.g. ``timm.create_model("vit_base_patch16_224", num_classes=0,
-        global_pool="token")``.
+        global_pool="token")``. An ``ImageClassifier`` checkpoint gives its whole timm model,
+        head included (:func:`mmssl.models.classifier.to_timm_classifier`).
     """
     prefix = "encoder."
+    if "model.head.weight" in state_dict and not any(k.startswith(prefix) for k in state_dict):
+        from mmssl.models.classifier import to_timm_classifier  # the classifier imports this module
+
+        return to_timm_classifier(state_dict)
     out = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
     if not out:
         raise KeyError("no 'encoder.*' weights in this checkpoint: is it an MAE checkpoint?")

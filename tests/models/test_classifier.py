@@ -11,7 +11,9 @@ import timm
 import torch
 from PIL import Image
 
+from mmssl.checkpoints import read_state_dict
 from mmssl.data.transforms import timm_train_transform
+from mmssl.export import export_checkpoint
 from mmssl.models import ImageClassifier
 from mmssl.models.classifier import to_timm_classifier
 from mmssl.models.mae import MAE
@@ -143,6 +145,18 @@ def test_timm_export_with_head_loads_into_plain_timm():
     torch.testing.assert_close(plain(images), module(images), rtol=0, atol=0)
     with pytest.raises(KeyError, match="ImageClassifier"):
         to_timm_classifier({"encoder.cls_token": torch.zeros(1)})
+
+
+def test_export_checkpoint_timm_format_writes_the_classifier_with_its_head(tmp_path):
+    """``tools/export.py --format timm`` on a fine-tuned checkpoint: plain timm loads it strictly."""
+    torch.manual_seed(0)
+    module = classifier().eval()
+    torch.save({"state_dict": module.state_dict()}, tmp_path / "ft.ckpt")
+    export_checkpoint(str(tmp_path / "ft.ckpt"), "timm", str(tmp_path / "vit.safetensors"))
+    plain = timm.create_model("vit_base_patch16_224", num_classes=5, global_pool="avg", img_size=16, **SHAPE).eval()
+    plain.load_state_dict(read_state_dict(str(tmp_path / "vit.safetensors")))
+    images = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(plain(images), module(images), rtol=0, atol=0)
 
 
 def test_mixup_training_step_and_labels_are_checked():
