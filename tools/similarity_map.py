@@ -28,6 +28,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--image", nargs="+", required=True, help="image files")
     p.add_argument("--text", action="append", required=True, help="a query; repeat for more")
     p.add_argument("--output", required=True, help="folder for the PNGs")
+    p.add_argument("--value-path", action="store_true",
+                   help="MaskCLIP's last layer: each token keeps its own value (no query-key mixing)")
     return p.parse_args(argv)
 
 
@@ -35,12 +37,13 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
     args = parse_args(argv)
     model = load_model(args.ckpt, args.model)
     images, views = load_images(args.image, model)
-    maps = similarity_maps(model, images, args.text).numpy()  # (B, Q, h, w)
+    maps = similarity_maps(model, images, args.text, args.value_path).numpy()  # (B, Q, h, w)
     os.makedirs(args.output, exist_ok=True)
     written = []
     for i, path in enumerate(args.image):
         titles = [f'"{t}"\ncos {m.min():.2f}..{m.max():.2f}' for t, m in zip(args.text, maps[i])]
-        figure = overlay_grid(views[i], list(maps[i]), titles, f"{os.path.basename(path)}: patch-text similarity")
+        figure = overlay_grid(views[i], list(maps[i]), titles, f"{os.path.basename(path)}: patch-text similarity"
+                              + (" (value path)" if args.value_path else ""))
         stem = os.path.splitext(os.path.basename(path))[0]
         written.append(save_png(figure, os.path.join(args.output, f"{stem}_similarity.png")))
         print(written[-1])

@@ -15,7 +15,7 @@ from mmssl.visualize.attention import (
     attention_maps, attention_rollout, attention_weights, cls_patch_map, record_attention, vision_tower,
 )
 from mmssl.visualize.scaling import fit_power_law, pool_points, power_law, read_run
-from mmssl.visualize.similarity import patch_embeddings, similarity_maps
+from mmssl.visualize.similarity import patch_embeddings, self_attention_only, similarity_maps
 
 
 def _row_stochastic(*shape: int, generator: torch.Generator) -> torch.Tensor:
@@ -112,6 +112,21 @@ def test_similarity_peaks_at_the_patch_the_text_matches(tiny_clip_json, monkeypa
         assert maps[0, q, 2, 3] == pytest.approx(1.0, abs=1e-5)
     with pytest.raises(TypeError, match="not a CLIP"):
         similarity_maps(_tiny_mae(), images, ["x"])
+
+
+def test_value_path_makes_the_last_block_attend_to_itself(tiny_clip_json):
+    """MaskCLIP's value path: the last block's attention is the identity, each token's attention
+    output then out_proj(v_i); the hook is gone afterwards."""
+    torch.manual_seed(0)
+    clip = CLIP(tiny_clip_json).eval()
+    images = torch.randn(2, 3, 32, 32)
+    visual = clip.model.visual
+    with torch.no_grad(), self_attention_only(visual), record_attention(visual) as weights:
+        clip.forward_features(images)
+    torch.testing.assert_close(weights[-1], torch.eye(17).expand(2, 2, 17, 17))
+    plain, value = patch_embeddings(clip, images), patch_embeddings(clip, images, value_path=True)
+    assert plain.shape == value.shape and not torch.allclose(plain, value)
+    torch.testing.assert_close(patch_embeddings(clip, images), plain)  # nothing left behind
 
 
 def test_scaling_fit_recovers_a_noisy_power_law():
