@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -195,3 +196,18 @@ def test_timm_train_transform_is_seeded_per_sample_and_leaves_global_rngs_alone(
         timm_train_transform(16, (0.5,) * 3, (0.5,) * 3, (0.5, 1.0), True, {"scale": (0.1, 1.0)})
     with pytest.raises(ValueError, match="train_augment"):
         timm_train_transform(16, (0.5,) * 3, (0.5,) * 3, (0.5, 1.0), True, {"no_such_option": 1})
+
+
+def test_clip_checkpoint_with_a_timm_tower_initialises_the_vit(tmp_path):
+    from mmssl.models.clip import CLIP
+
+    torch.manual_seed(0)
+    clip = CLIP(model_name=str(Path(__file__).resolve().parents[2] / "configs/models/clip_micro_timm.json"))
+    torch.save({"state_dict": clip.state_dict()}, tmp_path / "clip.ckpt")
+    module = ImageClassifier(num_classes=3, model_name="test_vit", image_size=160, global_pool="token",
+                             init_encoder=str(tmp_path / "clip.ckpt"))
+    trunk = clip.model.visual.trunk.state_dict()
+    loaded = module.model.state_dict()
+    assert set(loaded) - set(trunk) == {"head.weight", "head.bias"}
+    for key, value in trunk.items():
+        assert torch.equal(loaded[key], value), key
