@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import pickletools
+import zipfile
 from typing import Any
 
 import torch
@@ -90,6 +91,8 @@ def read_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
         from safetensors.torch import load_file
 
         return load_file(path)
+    # Only zip-format files can be mapped (torch.save's default); a legacy pickle is read whole.
+    mmap = mmap and zipfile.is_zipfile(path)
     try:
         with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
             state = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)

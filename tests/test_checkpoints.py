@@ -92,6 +92,10 @@ def run_tool(name: str, args: list[str], monkeypatch) -> None:
     ("linear_probe.py", ["--model-class", "MAE", "--train-data", "{tmp}", "--val-data", "{tmp}"]),
     ("zero_shot.py", ["--data", "{tmp}"]),
     ("zero_shot.py", ["--model", "{clip_json}", "--data", "{tmp}"]),
+    ("export.py", ["--format", "hf", "--output", "{tmp}/hf"]),
+    ("export.py", ["--format", "open_clip_hf", "--output", "{tmp}/hub"]),
+    ("attention_maps.py", ["--images", "{tmp}/x.png", "--output", "{tmp}/maps"]),
+    ("similarity_map.py", ["--image", "{tmp}/x.png", "--text", "a star", "--output", "{tmp}/maps"]),
 ])
 def test_every_ckpt_tool_refuses(tool, args, evil, tiny_clip_json, tmp_path, monkeypatch):
     path, marker, name = evil
@@ -100,6 +104,7 @@ def test_every_ckpt_tool_refuses(tool, args, evil, tiny_clip_json, tmp_path, mon
         run_tool(tool, ["--ckpt", str(path), *args], monkeypatch)
     assert not marker.exists()
     assert not (tmp_path / "out.pth").exists() and not (tmp_path / "out.safetensors").exists()
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hub").exists() and not (tmp_path / "maps").exists()
 
 
 def test_init_encoder_and_pretrained_refuse(evil, tiny_clip_json):
@@ -108,6 +113,10 @@ def test_init_encoder_and_pretrained_refuse(evil, tiny_clip_json):
     path, marker, name = evil
     with pytest.raises(UnsafeCheckpointError, match=name):
         MAE(**TINY, init_encoder=str(path))
+    from mmssl.models.classifier import ImageClassifier
+
+    with pytest.raises(UnsafeCheckpointError, match=name):  # fine-tuning's --model.init_encoder
+        ImageClassifier(init_encoder=str(path))
     # open_clip reads `pretrained` itself, also with weights_only=True.
     with pytest.raises(pickle.UnpicklingError):
         CLIP(model_name=tiny_clip_json, pretrained=str(path))
