@@ -34,13 +34,12 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from mmssl.checkpoints import read_state_dict
+from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD  # MAE util/datasets.py normalisation
 from mmssl.distributed import seed_per_rank
 from mmssl.export import to_timm
 from mmssl.models._logging import logging_step
 from mmssl.optim import warmup_cosine
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)  # MAE main_finetune.py / util/datasets.py normalisation
-IMAGENET_STD = (0.229, 0.224, 0.225)
 StateDict = dict[str, Tensor]
 
 # Keys a pretrained encoder does not provide: the new head, and fc_norm under global pooling
