@@ -27,7 +27,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--model-kwargs", type=json.loads, default=None, help="JSON dict for timm.create_model")
     p.add_argument("--model-class", choices=("MAE", "CLIP", "mmssl.models.mae.MAE", "mmssl.models.clip.CLIP"),
                    help="model class if the checkpoint records none (only mmssl's own are built)")
-    p.add_argument("--train-data", required=True, help="labelled train set: shard folder/pattern or image folder")
+    p.add_argument("--train-data", required=True, help="labelled train set: clip_benchmark DIR/SPLIT, shard folder/pattern, or image folder")
     p.add_argument("--val-data", required=True, help="labelled evaluation set")
     p.add_argument("--feature", choices=("cls", "avg", "embedding"), default="cls")
     p.add_argument("--method", choices=("lbfgs", "mae"), default="lbfgs",

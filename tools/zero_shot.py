@@ -3,9 +3,10 @@
     python tools/zero_shot.py --ckpt runs/demo_clip/version_0/checkpoints/last.ckpt \
         --data ~/.cache/mmssl/demo/val --output-json results.json
 
-The set holds shards with ``cls`` (or class folders) and ``classnames.txt``; prompts come from
-``zeroshot_classification_templates.txt`` beside it, ``--templates``, or CLIP's 80 ImageNet
-templates. ``--ckpt`` takes an mmssl Lightning checkpoint or an open_clip state dict with
+The set is a clip_benchmark ``wds/`` folder (``DIR/{split}``, or ``DIR`` for its ``test`` split),
+a folder or pattern of shards with ``cls``, or class folders, with ``classnames.txt``; prompts come
+from ``zeroshot_classification_templates.txt`` (beside the shards, else at the clip_benchmark
+root), ``--templates``, or CLIP's 80 ImageNet templates. ``--ckpt`` takes an mmssl Lightning checkpoint or an open_clip state dict with
 ``--model NAME-or-json``.
 """
 
@@ -24,7 +25,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", help="open_clip model name or .json config of a state-dict file")
     p.add_argument("--model-class", choices=("MAE", "CLIP", "mmssl.models.mae.MAE", "mmssl.models.clip.CLIP"),
                    help="model class if the checkpoint records none (only mmssl's own are built)")
-    p.add_argument("--data", required=True, help="labelled set: shard folder/pattern or image folder")
+    p.add_argument("--data", required=True, help="labelled set: clip_benchmark DIR or DIR/SPLIT, shard folder/pattern, or image folder")
     p.add_argument("--classnames", help="class-names file (default: classnames.txt beside the data)")
     p.add_argument("--templates", help="templates file (default: beside the data, else the 80 OpenAI ones)")
     p.add_argument("--batch-size", type=int, default=256)
