@@ -64,7 +64,8 @@ def overlay_grid(
     panels = 1 + len(maps)
     cols = min(columns, panels)
     rows = math.ceil(panels / cols)
-    figure = new_figure(cols * panel_inches, rows * panel_inches + (0.35 if title else 0.1))
+    heading = 0.3 if title else 0.0  # inches kept free above the panels' own titles
+    figure = new_figure(cols * panel_inches, rows * (panel_inches + 0.2) + heading)
     axes = figure.subplots(rows, cols, squeeze=False)
     height, width = image.shape[:2]
     extent = (0, width, height, 0)  # the map's cells lie over the image's patches
@@ -79,7 +80,7 @@ def overlay_grid(
         ax.set_title(name, fontsize=8)
     if title:
         figure.suptitle(title, fontsize=9)
-    figure.tight_layout(pad=0.3)
+    figure.tight_layout(pad=0.3, rect=(0, 0, 1, 1 - heading / figure.get_figheight()))
     return figure
 
 
