@@ -91,3 +91,26 @@ def test_linear_probe_tool_on_timm_state_dict(tiny_demo, tmp_path, monkeypatch):
 def test_tool_names_a_missing_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="--ckpt"):
         run_tool("zero_shot.py", ["--ckpt", str(tmp_path / "none.ckpt"), "--data", str(tmp_path)], monkeypatch)
+
+
+def test_zero_shot_tool_reads_a_clip_benchmark_folder_by_root_or_split(lightning_ckpt, tiny_demo, tmp_path, monkeypatch):
+    """The demo's held-out shards as clip_benchmark_export_wds lays out a set (test split, side
+    files at the root only): the same figures as the demo folder, whether given DIR or DIR/test."""
+    import shutil
+
+    root = tmp_path / "wds_demo"
+    (root / "test").mkdir(parents=True)
+    shards = sorted(Path(tiny_demo.eval_dir).glob("*.tar"))
+    for shard in shards:
+        shutil.copy(shard, root / "test" / shard.name)
+    (root / "test" / "nshards.txt").write_text(f"{len(shards)}\n")
+    for name in ("classnames.txt", "zeroshot_classification_templates.txt"):
+        shutil.copy(Path(tiny_demo.root) / name, root / name)
+    results = []
+    for i, data in enumerate((tiny_demo.eval_dir, str(root), str(root / "test"))):
+        run_tool("zero_shot.py", ["--ckpt", str(lightning_ckpt), "--data", data,
+                                  "--output-json", str(tmp_path / f"{i}.json")], monkeypatch)
+        results.append(json.loads((tmp_path / f"{i}.json").read_text()))
+    keys = ("top1", "top5", "num_samples", "num_classes", "num_templates")
+    assert [[r[k] for k in keys] for r in results[1:]] == [[results[0][k] for k in keys]] * 2
+    assert results[0]["num_samples"] == 32 and results[0]["num_classes"] == 36
