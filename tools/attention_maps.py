@@ -32,6 +32,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="model class if the checkpoint records none (only mmssl's own are built)")
     p.add_argument("--images", nargs="+", required=True, help="image files")
     p.add_argument("--output", required=True, help="folder for the PNGs")
+    p.add_argument("--dpi", type=int, default=100, help="PNG resolution (panels are 1.8 inches wide)")
     p.add_argument("--head-fusion", choices=("mean", "max", "min"), default="mean",
                    help="how the rollout combines heads (the paper: mean)")
     return p.parse_args(argv)
@@ -52,7 +53,7 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
         figure = overlay_grid(views[i], panels, titles, f"{os.path.basename(path)}: cls attention, "
                               f"{heads.shape[1]}x{heads.shape[2]} patches")
         stem = os.path.splitext(os.path.basename(path))[0]
-        written.append(save_png(figure, os.path.join(args.output, f"{stem}_attention.png")))
+        written.append(save_png(figure, os.path.join(args.output, f"{stem}_attention.png"), args.dpi))
         print(written[-1])
     return written
 

@@ -28,6 +28,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--image", nargs="+", required=True, help="image files")
     p.add_argument("--text", action="append", required=True, help="a query; repeat for more")
     p.add_argument("--output", required=True, help="folder for the PNGs")
+    p.add_argument("--dpi", type=int, default=100, help="PNG resolution (panels are 1.8 inches wide)")
     p.add_argument("--value-path", action="store_true",
                    help="MaskCLIP's last layer: each token keeps its own value (no query-key mixing)")
     return p.parse_args(argv)
@@ -45,7 +46,7 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
         figure = overlay_grid(views[i], list(maps[i]), titles, f"{os.path.basename(path)}: patch-text similarity"
                               + (" (value path)" if args.value_path else ""))
         stem = os.path.splitext(os.path.basename(path))[0]
-        written.append(save_png(figure, os.path.join(args.output, f"{stem}_similarity.png")))
+        written.append(save_png(figure, os.path.join(args.output, f"{stem}_similarity.png"), args.dpi))
         print(written[-1])
     return written
 

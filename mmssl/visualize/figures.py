@@ -27,9 +27,9 @@ def figure_to_array(figure: Figure) -> np.ndarray:
     return np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()
 
 
-def save_png(figure: Figure, path: str) -> str:
-    """Write the figure as a PNG; returns ``path``."""
-    figure.savefig(path, format="png")
+def save_png(figure: Figure, path: str, dpi: Optional[int] = None) -> str:
+    """Write the figure as a PNG (at ``dpi``, default the figure's); returns ``path``."""
+    figure.savefig(path, format="png", dpi=dpi or figure.dpi)
     return path
 
 
