@@ -18,6 +18,10 @@ from torch import Tensor
 from torch.utils.data import default_collate
 
 
+# ``image.info`` key of a reduced-size JPEG decode: (stored width, stored height, reduction).
+REDUCED_FROM = "mmssl_reduced_from"
+
+
 class BadSample(Exception):
     """A sample that cannot be used; the message says why."""
 
@@ -33,13 +37,25 @@ def open_image(data: bytes, min_size: Optional[int] = None) -> Image.Image:
             1024-pixel JPEG for a 224-pixel model this way is several times faster.
 
     Returns:
-        The fully decoded RGB image (``load`` is forced here, so truncated files fail here).
+        The fully decoded RGB image (``load`` is forced here, so truncated files fail here). After
+        a reduced decode, ``image.info[REDUCED_FROM]`` holds ``(width, height, scale)``: the stored
+        image's size and the reduction (2, 4 or 8), so that
+        :class:`~mmssl.data.transforms.RandomResizedCropFlip` can draw its crop on the stored
+        image's pixel grid, as it would without the reduction.
     """
     image = Image.open(io.BytesIO(data))
+    reduced_from = None
     if min_size and image.format == "JPEG":
-        image.draft("RGB", (min_size, min_size))
+        width, height = image.size
+        drafted = image.draft("RGB", (min_size, min_size))
+        if drafted is not None and drafted[1][2] < width:  # Pillow's box: the full extent, in reduced pixels
+            reduced_from = (width, height, width / drafted[1][2])
     image.load()
-    return image.convert("RGB")
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    if reduced_from is not None:
+        image.info[REDUCED_FROM] = reduced_from
+    return image
 
 
 def draft_size(image_size: int, min_crop_scale: float = 1.0) -> int:

@@ -104,6 +104,10 @@ class ImageTextDataModule(pl.LightningDataModule):
         demo_dir: cache folder of the embedded demo data.
         trim_text_padding: cut each batch's tokens after its longest caption, before the transfer
             (set from the model by ``mmssl fit``: on when its text tower ignores padding).
+        normalize_on_device: training images leave the workers as uint8 and are normalised after
+            the transfer, on the device (a quarter of the bytes through shared memory, pinned
+            memory and the host-to-device copy). ``None`` (default): on when the trainer's device
+            is not the CPU. The timm chain (``train_augment``) and validation normalise per sample.
     """
 
     def __init__(
@@ -131,6 +135,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         reduced_decode: bool = True,
         demo_dir: Optional[str] = None,
         trim_text_padding: bool = False,
+        normalize_on_device: Optional[bool] = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -144,6 +149,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         self.resampled, self.train_num_samples = resampled, train_num_samples
         self.image_size, self.image_mean, self.image_std = image_size, image_mean, image_std
         self.tokenizer, self.trim_text_padding = tokenizer, trim_text_padding
+        self.normalize_on_device = normalize_on_device
         self.image_key, self.text_key, self.label_key = image_key, text_key, label_key
         self.crop_scale, self.hflip = crop_scale, hflip
         self.train_augment, self.eval_crop_pct = train_augment, eval_crop_pct
@@ -151,6 +157,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         self.max_bad_fraction, self.reduced_decode, self.demo_dir = max_bad_fraction, reduced_decode, demo_dir
         self.eval_data: Optional[str] = None  # labelled held-out folder, set in demo mode
         self.position = StreamPosition()
+        self._device_normalize: Optional[BatchNormalize] = None
         self._loaded: Optional[dict[str, Any]] = None  # a checkpoint's position, applied with the stream
         self._reload_setting: Optional[int] = None  # the trainer's, while an elastic epoch makes it reload
 
@@ -210,7 +217,8 @@ class ImageTextDataModule(pl.LightningDataModule):
                                              self.hflip, self.train_augment)
         elif train:  # uint8 crops per sample, normalised once per batch (mmssl.data.transforms)
             transform = train_sample_transform(self.image_size, self.crop_scale, self.hflip)
-            batch_transform = BatchNormalize(self.image_mean, self.image_std)
+            if not self._normalizes_on_device():  # else in on_after_batch_transfer
+                batch_transform = BatchNormalize(self.image_mean, self.image_std)
         elif self.eval_crop_pct is not None:
             transform = timm_eval_transform(self.image_size, self.image_mean, self.image_std, self.eval_crop_pct)
         else:
@@ -238,6 +246,19 @@ class ImageTextDataModule(pl.LightningDataModule):
             seed=self.seed, shuffle_buffer=self.shuffle_buffer, max_bad_fraction=self.max_bad_fraction,
         )
         return ShardStream(spec, self._decoder(train))
+
+    def _normalizes_on_device(self) -> bool:
+        if self.normalize_on_device is not None:
+            return self.normalize_on_device
+        return self.trainer is not None and self.trainer.strategy.root_device.type != "cpu"
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Normalise uint8 training images on the device they were moved to (``normalize_on_device``)."""
+        if isinstance(batch, dict) and isinstance(batch.get("image"), torch.Tensor) and batch["image"].dtype == torch.uint8:
+            if self._device_normalize is None:
+                self._device_normalize = BatchNormalize(self.image_mean, self.image_std)
+            batch["image"] = self._device_normalize(batch["image"])
+        return batch
 
     def _current_epoch(self) -> Optional[int]:
         return self.trainer.current_epoch if self.trainer is not None else None

@@ -104,7 +104,8 @@ def run_lightly(cli: Any, warmup: int, steps: int) -> dict[str, Any]:
     last_end = time.perf_counter()
     for step in range(warmup + steps):
         batch = datamodule.on_before_batch_transfer(next(batches), 0)
-        images = batch["image"].to(device, non_blocking=True)
+        batch["image"] = batch["image"].to(device, non_blocking=True)
+        images = datamodule.on_after_batch_transfer(batch, 0)["image"]  # uint8 normalised on a GPU
         fetched = time.perf_counter()
         autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with autocast:
