@@ -290,6 +290,33 @@ def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def bf16_advice(fp32_flops: float, bf16_flops: float) -> Optional[str]:
+    """A warning when this CPU runs bf16 matmuls slower than fp32 ones, else ``None``.
+
+    CPUs without AMX or AVX512-BF16 (AVX2-only ones, such as the 2-core EPYC of the README's
+    figures) emulate bf16 matmuls, ~40x slower than fp32; AMX CPUs (Sapphire Rapids and later) and
+    GPUs run them faster. Measured, not guessed from the CPU's flags.
+
+    Args:
+        fp32_flops: measured fp32 matmul FLOP/s.
+        bf16_flops: measured bf16 matmul FLOP/s.
+    """
+    if bf16_flops >= fp32_flops:
+        return None
+    return (f"WARNING: bf16 matmuls run {fp32_flops / bf16_flops:.1f}x slower than fp32 on this CPU "
+            f"({bf16_flops / 1e9:.1f} vs {fp32_flops / 1e9:.1f} GFLOP/s measured): train it with "
+            f"--trainer.precision=32-true (bf16 pays off on AMX CPUs and GPUs)")
+
+
+def cpu_bf16_warning(result: dict[str, Any]) -> Optional[str]:
+    """:func:`bf16_advice` for a CPU run at a bf16 precision (measured now, 256-wide matmuls); else ``None``."""
+    m = result["mmssl"]
+    if m["device_type"] != "cpu" or not str(m["precision"]).startswith("bf16"):
+        return None
+    cpu = torch.device("cpu")
+    return bf16_advice(matmul_peak_flops(cpu, "32-true", size=256), matmul_peak_flops(cpu, "bf16-mixed", size=256))
+
+
 def format_report(result: dict[str, Any]) -> str:
     """A readable table of :func:`benchmark`'s result."""
     m = result["mmssl"]

@@ -171,3 +171,19 @@ def test_compare_lightly_and_mask_ratio_speed_up_report(tiny_demo):
     assert "FLOP ratio" in format_report(result)
     with pytest.raises(ValueError, match="choose one"):
         benchmark(config, _mae_args(tiny_demo), warmup=1, steps=1, compare_lightly=True, compare_mask_ratio=0.1)
+
+
+def test_bf16_warning_only_when_measured_slower(monkeypatch):
+    from mmssl.perf import bench
+
+    assert bench.bf16_advice(100e9, 2.5e9).startswith("WARNING: bf16 matmuls run 40.0x slower")
+    assert "32-true" in bench.bf16_advice(100e9, 2.5e9)
+    assert bench.bf16_advice(100e9, 400e9) is None  # an AMX CPU
+    peaks = {"32-true": 100e9, "bf16-mixed": 2e9}
+    monkeypatch.setattr(bench, "matmul_peak_flops", lambda device, precision, size=None: peaks[precision])
+    run = {"device_type": "cpu", "precision": "bf16-mixed"}
+    assert "50.0x slower" in bench.cpu_bf16_warning({"mmssl": run})
+    assert bench.cpu_bf16_warning({"mmssl": {**run, "precision": "32-true"}}) is None
+    assert bench.cpu_bf16_warning({"mmssl": {**run, "device_type": "cuda"}}) is None
+    peaks["bf16-mixed"] = 300e9
+    assert bench.cpu_bf16_warning({"mmssl": run}) is None
