@@ -3,7 +3,7 @@
 The saturating power law of Kaplan et al. (2020, eq. 1.4 form with an irreducible term, as in
 Hoffmann et al. 2022, eq. 2). Each run's compute is its FLOPs per optimizer step, counted at the
 run's start and written to ``compute.json`` by ``mmssl.callbacks.RunSummary``, times the steps
-taken; its losses are read from the run's ``metrics.csv``, so no model is needed.
+taken (``step + 1`` of ``metrics.csv``); its losses are read from the run's ``metrics.csv``, so no model is needed.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class RunCurve:
     Attributes:
         name: the run folder.
         flops_per_step: training FLOPs of one optimizer step (all devices).
-        steps: (K,) optimizer steps at each logged value.
+        steps: (K,) the ``step`` column at each logged value (0-based index of the last step).
         values: (K,) the metric there.
     """
 
@@ -39,8 +39,12 @@ class RunCurve:
 
     @property
     def compute(self) -> np.ndarray:
-        """(K,) training FLOPs at each logged value."""
-        return self.flops_per_step * self.steps
+        """(K,) training FLOPs at each logged value.
+
+        ``metrics.csv``'s ``step`` is Lightning's 0-based index of the last optimizer step taken
+        (the validation after 78 steps logs step 77), so ``step + 1`` steps have run.
+        """
+        return self.flops_per_step * (self.steps + 1)
 
     def pick(self, which: Literal["final", "best"]) -> tuple[float, float]:
         """(compute, value) of the last logged value, or of the lowest."""

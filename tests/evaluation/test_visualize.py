@@ -162,7 +162,7 @@ def test_read_run_names_what_is_missing(tmp_path):
         read_run(str(run))
     (run / "compute.json").write_text(json.dumps({"flops_per_step": 1e9}))
     curve = read_run(str(tmp_path))  # the folder holding one version_N
-    np.testing.assert_allclose(curve.compute, [9e9, 19e9])
-    assert curve.pick("final") == (19e9, 1.2) and curve.pick("best") == (19e9, 1.2)
+    np.testing.assert_allclose(curve.compute, [10e9, 20e9])  # step 9 is the 10th step
+    assert curve.pick("final") == (20e9, 1.2) and curve.pick("best") == (20e9, 1.2)
     with pytest.raises(KeyError, match="val/zero"):
         read_run(str(run), "val/zero_shot_top1")

@@ -103,8 +103,8 @@ def _fake_run(folder: Path, flops_per_step: float, losses: dict[int, float]) -> 
         writer = csv.writer(f)
         writer.writerow(["epoch", "step", "train/loss", "val/loss"])
         for i, (step, loss) in enumerate(sorted(losses.items())):
-            writer.writerow([i, step, loss + 0.1, ""])
-            writer.writerow([i, step, "", loss])
+            writer.writerow([i, step - 1, loss + 0.1, ""])  # Lightning's 0-based index of the last step
+            writer.writerow([i, step - 1, "", loss])
     return folder
 
 
