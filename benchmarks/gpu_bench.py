@@ -84,6 +84,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         result = benchmark(config, [*overrides(p, shards), *extra], p["warmup"], p["steps"], compare_open_clip=peer,
                            repeats=p["repeats"] if peer else 1)
         print(format_report(result), flush=True)
+        print(f"({time.perf_counter() - started:.0f} s since the start)", flush=True)
         results[title] = result
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2, default=str)

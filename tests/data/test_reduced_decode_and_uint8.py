@@ -110,3 +110,16 @@ def test_uint8_batches_normalised_after_transfer_equal_todays(tmp_path):
         b = device.on_after_batch_transfer(b, 0)
         torch.testing.assert_close(b["image"], a["image"], atol=1e-6, rtol=1e-6)
         assert torch.equal(a["text"], b["text"])
+
+
+def test_uint8_ships_by_default_only_when_the_device_is_not_the_cpu(tmp_path):
+    from types import SimpleNamespace
+
+    from mmssl.data.transforms import BatchNormalize
+
+    dm = _datamodule(tmp_path)
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    assert dm._normalizes_on_device() and dm._decoder(True).batch_transform is None
+    dm.trainer.strategy.root_device = torch.device("cpu")  # measured: the CPU keeps normalising in the worker
+    assert not dm._normalizes_on_device() and isinstance(dm._decoder(True).batch_transform, BatchNormalize)
+    assert _datamodule(tmp_path, normalize_on_device=False)._decoder(True).batch_transform is not None
