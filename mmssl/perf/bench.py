@@ -160,13 +160,13 @@ def run_open_clip(
 ) -> dict[str, Any]:
     """Run open_clip_train on the shards, model, batch, workers, precision and device of ``mine``.
 
-    Its log folder (holding the full checkpoint it writes at the end even with
-    ``--save-frequency 0``) lies under ``root``, which the caller deletes.
+    Its log folder lies under ``root``, which the caller deletes; the checkpoint it would write at
+    the end (after the timed steps) is skipped (the launcher's ``--no-checkpoint``).
 
     Returns:
         ``samples_per_s``, ``step_time_s``, ``data_wait_fraction``, ``steps``, ``command``.
     """
-    launcher = [sys.executable, "-m", "mmssl.perf.open_clip_peer"]
+    launcher = [sys.executable, "-m", "mmssl.perf.open_clip_peer", "--no-checkpoint"]
     name = model_name
     if model_name.endswith(".json"):
         launcher += ["--model-config", model_name]
