@@ -50,10 +50,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(f"  b = {fit.b:.4f} +- {err['b']:.4f}")
     print(f"  c = {fit.c:.4f} +- {err['c']:.4f}")
     print(f"  a = {fit.a:.4g} (x/÷ {math.exp(err['log_a']):.3g})")
+    at_bound = [name for name, hit in (("c = min(loss)", fit.c >= loss.min() * (1 - 1e-6)),
+                                       ("b = 0", fit.b <= 1e-6), ("b = 5", fit.b >= 5 - 1e-6)) if hit]
+    if at_bound:
+        print(f"  warning: the fit sits on its bound ({', '.join(at_bound)}): these points do not constrain it")
     report = {"metric": args.metric, "select": args.select, "runs": [run.name for run in runs],
               "points": [{"compute": float(c), "value": float(v), "spread": None if math.isnan(s) else float(s),
                           "runs": int(n)} for n, c, v, s in zip(count, compute, loss, spread)],
-              "a": fit.a, "b": fit.b, "c": fit.c, "stderr": err, "covariance_log_a_b_c": fit.covariance.tolist()}
+              "a": fit.a, "b": fit.b, "c": fit.c, "stderr": err, "at_bound": at_bound, "covariance_log_a_b_c": fit.covariance.tolist()}
     if args.target_loss is not None:
         report["target_loss"] = args.target_loss
         report["target_compute"] = fit.compute_for(args.target_loss)
