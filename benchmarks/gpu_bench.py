@@ -49,8 +49,14 @@ def plan(dry_run: bool, workers: Optional[int]) -> dict[str, Any]:
 
 
 def overrides(p: dict[str, Any], shards: str) -> list[str]:
-    """The recipe cut to one device and pointed at the benchmark shards (resampled stream)."""
-    return [
+    """The recipe cut to one device and pointed at the benchmark shards (resampled stream).
+
+    The dry run also fuses AdamW: the recipes' foreach AdamW takes ~6 s a step over ViT-B-32's
+    151M parameters on a 2-core CPU (fused: ~1 s); the GPU run keeps the recipes' optimizer, as
+    open_clip_train's is the same unfused AdamW.
+    """
+    fused = ["--model.init_args.optimizer.init_args.fused=true"] if p["accelerator"] == "cpu" else []
+    return [*fused,
         "--trainer.devices=1", "--trainer.num_nodes=1", "--trainer.strategy=auto",
         f"--trainer.accelerator={p['accelerator']}", f"--trainer.precision={p['precision']}",
         f"--data.init_args.train_data={shards}", f"--data.init_args.batch_size={p['batch']}",

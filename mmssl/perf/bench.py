@@ -82,6 +82,9 @@ def make_cli(config: str, overrides: list[str], max_steps: int, root: str) -> MM
         # Training throughput only: no validation, no sanity check, no bar redrawing.
         "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        # The StepTimer counts one step's FLOPs; RunSummary's own count of step 0 would run a
+        # second step under the slow counting mode (seconds at ViT-B on a CPU).
+        "--summary.count_flops=false",
         f"--trainer.default_root_dir={root}",
     ]
     # cli_main's settings, but run=False so callers add callbacks (the timer) before fitting.
