@@ -25,6 +25,15 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1", **extra}
 
 
+def run_one_process(args: list[str]) -> subprocess.CompletedProcess:
+    """``mmssl ARGS`` on one process, in this interpreter: the single-process reference of a
+    2-process test, without a fresh interpreter's ~10 s of imports. Output is not captured."""
+    from mmssl.cli import main
+
+    main(args)
+    return subprocess.CompletedProcess(["mmssl", *args], 0, "", "")
+
+
 def run_mmssl(args: list[str], cwd: Path, timeout: float = 300, env: Optional[dict] = None,
               launcher: Optional[list[str]] = None) -> subprocess.CompletedProcess:
     """``python -m mmssl ARGS`` (or ``LAUNCHER -m mmssl ARGS``); the process group dies at ``timeout``.

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl
+from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
 
 TINY_MAE = [
     "--model.init_args.embed_dim=32", "--model.init_args.depth=2", "--model.init_args.num_heads=2",
@@ -81,11 +81,12 @@ def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, 
         folder = tmp_path / f"p{processes}"
         folder.mkdir()
         lr = ("--model.init_args.optimizer.init_args.lr=0.0" if recipe == "clip" else "--model.init_args.blr=0.0")
-        out = run_mmssl([
+        args = [
             *_common(recipe, folder, tiny_demo, tiny_clip_json, _val_shards(tiny_demo, val)),
             *(DDP if processes == 2 else []), lr, "--data.init_args.num_workers=2",
             "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", *CALLBACKS[recipe],
-        ], folder)
+        ]
+        out = run_mmssl(args, folder) if processes == 2 else run_one_process(args)
         assert out.returncode == 0, out.stdout[-3000:]
         figures.append(last_metrics(folder / "runs" / "version_0"))
     one, two = figures

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl
+from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
 from tests.data.shard_helpers import write_tar
 
 from mmssl.cli import cli_main
@@ -101,11 +101,12 @@ def test_two_processes_give_the_val_top1_of_one(labelled, tmp_path):
     for processes in (1, 2):
         folder = tmp_path / f"p{processes}"
         ddp = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT] if processes == 2 else []
-        out = run_mmssl([
+        args = [
             "fit", "--config", str(CONFIGS / "demo.yaml"), *TINY, *ddp, f"--data.init_args.train_data={train}",
             f"--data.init_args.val_data={val}", f"--trainer.default_root_dir={folder / 'runs'}",
             "--model.init_args.blr=0.0", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
-        ], tmp_path)
+        ]
+        out = run_mmssl(args, tmp_path) if processes == 2 else run_one_process(args)
         assert out.returncode == 0, out.stdout[-3000:]
         figures.append(last_metrics(folder / "runs" / "version_0"))
     one, two = figures

@@ -19,7 +19,7 @@ from mmssl.data.demo import SHAPES
 from mmssl.models.clip import CLIP
 from mmssl.models.mae import MAE
 from mmssl.visualize.scaling import power_law, read_run
-from tests.cli_runs import PG_TIMEOUT, REPO, run_mmssl
+from tests.cli_runs import PG_TIMEOUT, REPO, run_mmssl, run_one_process
 
 TINY_MAE = dict(image_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=32,
                 decoder_depth=1, decoder_num_heads=2)
@@ -142,7 +142,7 @@ def test_projector_on_one_and_two_processes_writes_the_same_points(tiny_demo, ti
         folder = tmp_path / f"p{processes}"
         folder.mkdir()
         ddp = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT] if processes == 2 else []
-        out = run_mmssl([
+        args = [
             "fit", "--config", str(REPO / "configs/demo/clip.yaml"), f"--model.init_args.model_name={tiny_clip_json}",
             f"--data.init_args.demo_dir={tiny_demo.root}", f"--data.init_args.val_data={val}",
             "--data.init_args.batch_size=4", "--data.init_args.num_workers=1", "--trainer.max_epochs=1",
@@ -152,7 +152,8 @@ def test_projector_on_one_and_two_processes_writes_the_same_points(tiny_demo, ti
             "--trainer.callbacks.batch_size=5",
             f"--trainer.callbacks.classnames={root / 'classnames.txt'}",
             f"--trainer.callbacks.templates={root / 'zeroshot_classification_templates.txt'}", "--trainer.callbacks.thumbnail_size=16", *ddp,
-        ], folder, timeout=420)
+        ]
+        out = run_mmssl(args, folder, timeout=420) if processes == 2 else run_one_process(args)
         assert out.returncode == 0, out.stdout[-3000:]
         run = folder / "runs" / "version_0"
         written[processes] = {tag: _projector_rows(run, tag) for tag in ("image", "image_text")}
