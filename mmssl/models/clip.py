@@ -24,7 +24,6 @@ from open_clip.transformer import text_global_pool
 from torch import Tensor
 from torchmetrics import MeanMetric, MetricCollection
 
-from mmssl.checkpoints import read_checkpoint
 from mmssl.data.decode import trim_text_padding
 from mmssl.distributed import gather_with_grad, rank, seed_per_rank
 from mmssl.evaluation.retrieval import RECALL_AT, distributed_retrieval_hits
@@ -32,7 +31,9 @@ from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.flip import install_flip_masking
 from mmssl.models.gradcache import cached_features
 from mmssl.models._logging import logging_step
-from mmssl.optim import NDIM_LT_2, Phase, param_groups, record_shapes, unmatched_patterns, warmup_cosine
+from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
+    OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, resolve_model_name, text_padding_is_inert)
+from mmssl.optim import Phase, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 
 # Initial (logit_scale, logit_bias): CLIP sec. 2.5 (temperature 0.07, no bias); SigLIP sec. 3.2
 # (t' = log 10, b = -10, so training starts near the prior of mostly negative pairs).
@@ -42,96 +43,11 @@ LOSS_INIT: dict[str, tuple[float, Optional[float]]] = {
 }
 
 
-def resolve_model_name(model_name: str) -> str:
-    """Register a JSON model config with open_clip if given a path; return the open_clip name.
-
-    Args:
-        model_name: an open_clip model name (``ViT-B-32``) or a path to a ``.json`` config.
-
-    Returns:
-        The name open_clip knows the config by (the file's stem for a JSON path).
-    """
-    if model_name.endswith(".json"):
-        # Recipes name model configs relative to the repository root (configs/models/...); a run
-        # started elsewhere (or `mmssl validate` on a run folder's config.yaml) still finds them.
-        tried = [model_name]
-        if not os.path.isabs(model_name):
-            tried.append(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-                os.path.abspath(__file__)))), model_name))
-        found = next((p for p in tried if os.path.isfile(p)), None)
-        if found is None:
-            raise FileNotFoundError(f"model.model_name: no model config file at {' or '.join(map(repr, tried))}")
-        open_clip.add_model_config(found)
-        return os.path.splitext(os.path.basename(model_name))[0]
-    if model_name not in open_clip.list_models():
-        raise ValueError(
-            f"model.model_name: {model_name!r} is neither an open_clip model "
-            "(see open_clip.list_models()) nor a path to a .json model config"
-        )
-    return model_name
-
-
-def text_padding_is_inert(model: torch.nn.Module) -> bool:
-    """Whether trailing padding cannot change ``model.encode_text``'s output.
-
-    True for open_clip's ``CLIP`` text tower as OpenAI built it: a causal mask (no token attends
-    to a later one), end-of-text pooling (``argmax``/``eos``: the token of the highest id or the
-    EOS id, which precedes the padding), no appended class token. Then the pooled feature depends
-    only on tokens up to the EOS, and padding after the longest caption of a batch is dead work.
-    """
-    return (
-        isinstance(model, open_clip.CLIP)
-        and getattr(model, "attn_mask", None) is not None
-        and getattr(model, "text_pool_type", None) in ("argmax", "eos")
-        and getattr(model, "cls_emb", None) is None
-    )
-
-
-OPEN_CLIP_NO_DECAY: tuple[str, ...] = (NDIM_LT_2, "*bn*", "*ln*", "*bias*", "*logit_scale*")
-
-
-def build_tokenizer(name: str, local_dir: Optional[str] = None) -> Callable:
-    """open_clip's tokenizer for model config ``name``, never downloading.
-
-    Configs with open_clip's own BPE vocabulary (shipped in the package) need nothing more; a
-    config naming a Hugging Face tokenizer (``text_cfg.hf_tokenizer_name``: the SigLIP configs'
-    SentencePiece model) is read from ``local_dir``, a folder holding its files.
-    """
-    text_cfg = open_clip.get_model_config(name).get("text_cfg", {})
-    hf_name = text_cfg.get("hf_tokenizer_name")
-    if hf_name is None:
-        if local_dir is not None:
-            raise ValueError(f"model.tokenizer: {name!r} uses open_clip's built-in BPE tokenizer; leave it unset")
-        return open_clip.get_tokenizer(name)
-    if local_dir is None or not os.path.isdir(local_dir):
-        raise FileNotFoundError(
-            f"model.tokenizer: {name!r} tokenizes with the Hugging Face tokenizer {hf_name!r}, and mmssl "
-            f"never downloads: fetch it once (huggingface-cli download {hf_name} --local-dir DIR) and pass "
-            f"--model.init_args.tokenizer DIR (got {local_dir!r})"
-        )
-    from open_clip.tokenizer import HFTokenizer
-
-    return HFTokenizer(local_dir, context_length=text_cfg.get("context_length", 77),
-                       **text_cfg.get("tokenizer_kwargs", {}))
-
-
 def _scalars_to_open_clip_shape(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     for key in ("logit_scale", "logit_bias"):
         name = f"{prefix}model.{key}"
         if name in state_dict and state_dict[name].ndim == 1:
             state_dict[name] = state_dict[name].reshape(())
-
-
-def _checkpoint_has(path: str, key: str) -> bool:
-    """Whether an open_clip checkpoint file holds ``key``, read lazily (mmap / safetensors)."""
-    if path.endswith(".safetensors"):
-        from safetensors import safe_open
-
-        with safe_open(path, framework="pt") as f:
-            return key in f.keys()
-    state = read_checkpoint(path, mmap=True)
-    state = state.get("state_dict", state)
-    return any(k == key or k.endswith("." + key) for k in state)
 
 
 class CLIP(pl.LightningModule):
@@ -218,7 +134,7 @@ class CLIP(pl.LightningModule):
         init = self._init_kwargs(loss, init_logit_scale, init_logit_bias)
         self.model = open_clip.create_model(name, pretrained=pretrained, output_dict=True, **init)
         bias = init.get("init_logit_bias")
-        if pretrained is not None and bias is not None and not _checkpoint_has(pretrained, "logit_bias"):
+        if pretrained is not None and bias is not None and not checkpoint_has(pretrained, "logit_bias"):
             # open_clip fills a missing bias with 0 (its issue 712); SigLiT from a CLIP file wants b.
             with torch.no_grad():
                 self.model.logit_bias.fill_(bias)
