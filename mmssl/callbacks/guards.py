@@ -7,31 +7,73 @@ fp32 runs need the same protection, so it is written here as a small callback.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
+
+from mmssl.models._logging import logging_step
 
 
 class NonFiniteGuard(pl.Callback):
     """Skip optimizer steps with a non-finite gradient; stop after ``max_consecutive`` in a row.
 
     The decision is reduced across ranks (any rank non-finite -> every rank skips), so DDP ranks
-    stay identical. A skipped step leaves parameters and optimizer state untouched (every
-    ``.grad`` is dropped, so the optimizer passes over every parameter); the count is logged as
-    ``train/nonfinite_skipped``.
+    stay identical. A skipped step leaves parameters and optimizer state untouched; the count is
+    logged as ``train/nonfinite_skipped``.
+
+    Two ways to skip, picked per optimizer:
+
+    - **Sync-free** (fused ``Adam``/``AdamW``, ``fused=True``, no fp16 ``GradScaler``): the
+      non-finite flag stays on the device, is all-reduced (MAX) across ranks without a host read,
+      and is handed to the optimizer as its ``found_inf``, the input ``GradScaler`` uses: the fused
+      kernel then leaves parameters and moments alone and torch takes the step count back
+      (``torch/optim/adam.py``, ``_fused_adam``). The skip and stop counts accumulate on the device
+      and the host reads them only every ``check_every_n_steps`` steps (default: Lightning's
+      logging steps), when the trainer saves a checkpoint and at the end of training. On a GPU,
+      where a host read is a device sync, the loop thus never waits for the GPU in between; a run
+      of ``max_consecutive`` skipped steps is detected at the next read, up to
+      ``check_every_n_steps - 1`` steps late (those steps are skipped too, so no weight is harmed).
+    - **Synchronous** (any other optimizer, or fp16 with a ``GradScaler``, which sets
+      ``found_inf`` itself): the flag is read every step and every ``.grad`` of a bad step is
+      dropped, so the optimizer passes over every parameter; the stop is immediate.
 
     Args:
         max_consecutive: consecutive skipped steps after which training stops with an error.
+        check_every_n_steps: optimizer steps between host reads of the counts on the sync-free
+            path; ``None``: on the steps whose metrics Lightning logs (``log_every_n_steps``).
     """
 
-    def __init__(self, max_consecutive: int = 5) -> None:
+    def __init__(self, max_consecutive: int = 5, check_every_n_steps: Optional[int] = None) -> None:
         if max_consecutive < 1:
             raise ValueError(f"NonFiniteGuard.max_consecutive must be >= 1, got {max_consecutive}")
+        if check_every_n_steps is not None and check_every_n_steps < 1:
+            raise ValueError(f"NonFiniteGuard.check_every_n_steps must be >= 1 or null, got {check_every_n_steps}")
         self.max_consecutive = max_consecutive
-        self.skipped = 0
+        self.check_every_n_steps = check_every_n_steps
+        self.skipped = 0  # exact as of the last host read
         self.consecutive = 0
+        self.host_reads = 0  # reads of the device counts (each one a device sync on a GPU)
+        # On the flag's device: [skipped since the last read, current run of skipped steps,
+        # global step at which the run first reached max_consecutive (-1: not reached)].
+        self._counts: Optional[Tensor] = None
+        self._armed: list[torch.optim.Optimizer] = []
+
+    @staticmethod
+    def sync_free(trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s step can take the skip decision as a device tensor.
+
+        Only fused Adam/AdamW: their fused step takes back the step count of a skipped step. Fused
+        SGD does not qualify: on its first step it allocates momentum buffers the skipped kernel
+        never fills (torch ``_fused_sgd``, ``is_first_step``)."""
+        return (
+            isinstance(optimizer, torch.optim.Adam)  # AdamW included (a subclass)
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and all(group.get("fused") for group in optimizer.param_groups)
+            and getattr(trainer.precision_plugin, "scaler", None) is None
+        )
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -39,31 +81,83 @@ class NonFiniteGuard(pl.Callback):
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # One fused norm over all gradients (~2 ms for 8M parameters on CPU, against ~17 ms for a
         # per-tensor isfinite): a NaN or inf anywhere makes the total norm non-finite.
-        local_bad = bool(grads) and not bool(torch.isfinite(torch.nn.utils.get_total_norm(grads)))
-        # all=False: True on every rank if any rank saw a non-finite gradient.
-        bad = trainer.strategy.reduce_boolean_decision(local_bad, all=False)
-        if not bad:
-            self.consecutive = 0
+        if grads:
+            bad = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float()
+        else:  # a rank without gradients still joins the reduction
+            bad = torch.zeros((), device=pl_module.device)
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Written out rather than `trainer.strategy.reduce`: Lightning's `_sync_ddp` puts a
+            # barrier (a host wait) before every all-reduce. MAX: any rank bad -> every rank skips.
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        self._record(bad, trainer.global_step)
+        if self.sync_free(trainer, optimizer):
+            optimizer.found_inf = bad  # read by the fused step (torch.optim.Adam.step)
+            self._armed.append(optimizer)
+            every = self.check_every_n_steps
+            if logging_step(trainer) if every is None else (trainer.global_step + 1) % every == 0:
+                self._read(trainer, pl_module)
             return
-        self.skipped += 1
-        self.consecutive += 1
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-        pl_module.log("train/nonfinite_skipped", float(self.skipped), rank_zero_only=True)
-        if self.consecutive >= self.max_consecutive:
+        if bool(bad):  # synchronous path: a host read every step
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            self._read(trainer, pl_module)
+
+    def _record(self, bad: Tensor, step: int) -> None:
+        if self._counts is None or self._counts.device != bad.device:
+            pending = self._counts
+            self._counts = torch.tensor([0.0, 0.0, -1.0], device=bad.device)
+            if pending is not None:
+                self._counts.copy_(pending)
+        counts = self._counts
+        counts[0].add_(bad)
+        counts[1].add_(1).mul_(bad)  # the run grows on a bad step, restarts at 0 on a good one
+        reached = (counts[2] < 0) & (counts[1] >= self.max_consecutive)
+        counts[2].copy_(torch.where(reached, float(step), counts[2]))
+
+    def _read(self, trainer: pl.Trainer, pl_module: Optional[pl.LightningModule], stop: bool = True) -> None:
+        """Bring the device counts to the host (the guard's only host wait on the sync-free path);
+        log the total and raise if a run reached ``max_consecutive``."""
+        if self._counts is None:
+            return
+        self.host_reads += 1
+        new, run, reached = self._counts.tolist()
+        self._counts[0] = 0.0
+        self.skipped += int(new)
+        self.consecutive = int(run)
+        if pl_module is not None and self.skipped:
+            pl_module.log("train/nonfinite_skipped", float(self.skipped), rank_zero_only=True)
+        if stop and reached >= 0:
             raise RuntimeError(
-                f"NonFiniteGuard: the loss or gradients were NaN/inf for {self.consecutive} steps in a "
-                f"row (step {trainer.global_step}, {self.skipped} skipped in all). Lower the learning "
-                "rate, raise warm-up, or check the data; the last good checkpoint is untouched."
+                f"NonFiniteGuard: the loss or gradients were NaN/inf for {self.max_consecutive} steps in a "
+                f"row (reached at step {int(reached)}, checked at step {trainer.global_step}, {self.skipped} "
+                "skipped in all). Lower the learning rate, raise warm-up, or check the data; the last good "
+                "checkpoint is untouched."
             )
 
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # Disarm after the step, so a later step that skips this hook never sees a stale flag.
+        for optimizer in self._armed:
+            if hasattr(optimizer, "found_inf"):
+                del optimizer.found_inf
+        self._armed.clear()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._read(trainer, None)  # `log` is not allowed here; the counts and the stop still are
+
     def state_dict(self) -> dict[str, Any]:
+        if self._counts is not None:  # exact counts in every checkpoint (no stop raised from here)
+            self.host_reads += 1
+            new, run, _ = self._counts.tolist()
+            self._counts[0] = 0.0
+            self.skipped += int(new)
+            self.consecutive = int(run)
         return {"skipped": self.skipped, "consecutive": self.consecutive}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.skipped = state_dict["skipped"]
         self.consecutive = state_dict["consecutive"]
+        self._counts = None
 
 
 class EvaluationBufferSync(pl.Callback):

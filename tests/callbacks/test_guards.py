@@ -9,24 +9,31 @@ from mmssl.callbacks.guards import NonFiniteGuard
 class _Poisoned(pl.LightningModule):
     """A linear model whose loss is NaN on the steps listed in ``bad_steps``."""
 
-    def __init__(self, bad_steps: set[int]):
+    def __init__(self, bad_steps: set[int], fused: bool = False):
         super().__init__()
+        torch.manual_seed(0)
         self.layer = nn.Linear(4, 1)
         self.bad_steps = bad_steps
+        self.fused = fused
         self.snapshots: dict[int, torch.Tensor] = {}
+        self.optimizer_states: dict[int, list[dict[str, torch.Tensor]]] = {}
 
     def training_step(self, batch, batch_idx):
         self.snapshots[self.global_step] = self.layer.weight.detach().clone()
+        optimizer = self.optimizers().optimizer
+        self.optimizer_states[self.global_step] = [
+            {k: v.clone() for k, v in optimizer.state[p].items()} for p in self.parameters()
+        ]
         loss = self.layer(batch[0]).pow(2).mean()
         if self.global_step in self.bad_steps:
             loss = loss * float("nan")
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.1, weight_decay=0.1)
+        return torch.optim.AdamW(self.parameters(), lr=0.1, weight_decay=0.1, fused=self.fused)
 
     def train_dataloader(self):
-        data = torch.utils.data.TensorDataset(torch.randn(64, 4))
+        data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=torch.Generator().manual_seed(0)))
         return torch.utils.data.DataLoader(data, batch_size=4)
 
 
@@ -49,3 +56,50 @@ def test_too_many_consecutive_non_finite_steps_stop_with_a_clear_error():
     guard = NonFiniteGuard(max_consecutive=2)
     with pytest.raises(RuntimeError, match="NaN/inf for 2 steps in a row"):
         _trainer(guard, 10).fit(_Poisoned({1, 2, 3}))
+
+
+def _same_state(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> bool:
+    return [sorted(x) for x in a] == [sorted(x) for x in b] and all(
+        torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x
+    )
+
+
+def test_fused_adamw_skips_on_the_device_and_reads_the_host_only_at_checks():
+    """Fused AdamW takes the flag as its ``found_inf``: weights, moments and step counts untouched,
+    the same trajectory as the synchronous path, and the host reads the counts only at checks."""
+    model, guard = _Poisoned({0, 3, 4}, fused=True), NonFiniteGuard(max_consecutive=3, check_every_n_steps=4)
+    trainer = _trainer(guard, 12)
+    assert trainer.log_every_n_steps == 50  # so only check_every_n_steps decides the reads
+    trainer.fit(model)
+    s, o = model.snapshots, model.optimizer_states
+    assert torch.equal(s[0], s[1]) and torch.equal(s[3], s[4]) and torch.equal(s[4], s[5])
+    assert not torch.equal(s[1], s[2]) and not torch.equal(s[5], s[6])  # good steps still train
+    assert _same_state(o[3], o[4]) and _same_state(o[4], o[5])  # moments and step counts unchanged
+    assert all(state["step"].item() == 0 for state in o[1])  # the skipped first step took no count
+    assert [state["step"].item() for state in o[6]] == [3.0, 3.0]  # 6 steps, 3 skipped
+    # Reads at steps 4, 8, 12 and at the end of training: 4 over 12 steps, none in between.
+    assert guard.host_reads == 4 and guard.skipped == 3 and guard.consecutive == 0
+    assert not hasattr(model.optimizers().optimizer, "found_inf")  # disarmed after each step
+
+    reference = _Poisoned({0, 3, 4}, fused=False)  # the synchronous path (grads dropped)
+    sync_guard = NonFiniteGuard(max_consecutive=3, check_every_n_steps=4)
+    _trainer(sync_guard, 12).fit(reference)
+    assert sync_guard.skipped == 3
+    torch.testing.assert_close(model.layer.weight, reference.layer.weight)
+
+
+def test_fused_path_stops_at_the_first_check_after_too_many_in_a_row():
+    model, guard = _Poisoned(set(range(1, 20)), fused=True), NonFiniteGuard(max_consecutive=2, check_every_n_steps=4)
+    with pytest.raises(RuntimeError, match=r"NaN/inf for 2 steps in a row \(reached at step 2, checked at step 3"):
+        _trainer(guard, 20).fit(model)
+    assert all(torch.equal(model.snapshots[1], w) for step, w in model.snapshots.items() if step >= 1)
+    assert guard.host_reads == 1 and guard.skipped == 3
+
+
+def test_sync_free_is_picked_only_where_the_fused_step_takes_the_step_back():
+    trainer = _trainer(NonFiniteGuard(), 1)
+    w = [nn.Parameter(torch.zeros(2))]
+    assert NonFiniteGuard.sync_free(trainer, torch.optim.AdamW(w, fused=True))
+    assert NonFiniteGuard.sync_free(trainer, torch.optim.Adam(w, fused=True))
+    assert not NonFiniteGuard.sync_free(trainer, torch.optim.AdamW(w))
+    assert not NonFiniteGuard.sync_free(trainer, torch.optim.SGD(w, lr=0.1, momentum=0.9, fused=True))
