@@ -4,7 +4,8 @@ attention rollout over all layers (Abnar & Zuidema 2020), over each input image;
     python tools/attention_maps.py --ckpt runs/demo_clip/version_0/checkpoints/last.ckpt \
         --images docs/visualize/inputs/*.jpg --output attention/
 
-``--ckpt`` takes an mmssl MAE or CLIP checkpoint, or an exported state dict with ``--model``:
+``--ckpt`` takes an mmssl MAE, CLIP or fine-tuned ImageClassifier checkpoint, or an exported
+state dict with ``--model``:
 a timm ViT name (``--model-kwargs '{"img_size": 32, "patch_size": 4}'``) or an open_clip
 name / JSON config. Every map is scaled to its own range; the titles give each map's maximum,
 as a share of the cls token's attention to the patches (uniform: 1 / patches).
@@ -13,11 +14,10 @@ as a share of the cls token's attention to the patches (uniform: 1 / patches).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Optional
 
-from mmssl.evaluation.encoders import load_model
+from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
 from mmssl.visualize.attention import attention_maps
 from mmssl.visualize.figures import overlay_grid, save_png
 from mmssl.visualize.inputs import load_images
@@ -25,11 +25,7 @@ from mmssl.visualize.inputs import load_images
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="Lightning .ckpt, or a state dict with --model")
-    p.add_argument("--model", help="architecture of a state-dict file: timm name, open_clip name or .json")
-    p.add_argument("--model-kwargs", type=json.loads, default=None, help="JSON dict for timm.create_model")
-    p.add_argument("--model-class", choices=("MAE", "CLIP", "mmssl.models.mae.MAE", "mmssl.models.clip.CLIP"),
-                   help="model class if the checkpoint records none (only mmssl's own are built)")
+    add_checkpoint_arguments(p)
     p.add_argument("--images", nargs="+", required=True, help="image files")
     p.add_argument("--output", required=True, help="folder for the PNGs")
     p.add_argument("--dpi", type=int, default=100, help="PNG resolution (panels are 1.8 inches wide)")

@@ -4,8 +4,9 @@
         --train-data ~/.cache/mmssl/demo/train --val-data ~/.cache/mmssl/demo/val \
         --layers all --output-json results.json
 
-``--ckpt`` takes an mmssl Lightning checkpoint (read as weights only; built as mmssl's MAE or
-CLIP, whichever the checkpoint or the run's config.yaml names), or an exported state dict with
+``--ckpt`` takes an mmssl Lightning checkpoint (read as weights only; built as mmssl's MAE, CLIP
+or fine-tuned ImageClassifier, whichever the checkpoint or the run's config.yaml names; for a
+fine-tuned classifier ``--feature embedding`` is what its head reads), or an exported state dict with
 ``--model``: a timm name (``vit_base_patch16_224``, extra ``--model-kwargs '{"img_size": 32}'``)
 or an open_clip name / JSON config.
 """
@@ -13,20 +14,15 @@ or an open_clip name / JSON config.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Optional
 
-from mmssl.evaluation.encoders import load_model
+from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
 from mmssl.evaluation.offline import emit_report, linear_probe_report
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="Lightning .ckpt, or a state dict with --model")
-    p.add_argument("--model", help="architecture of a state-dict file: timm name, open_clip name or .json")
-    p.add_argument("--model-kwargs", type=json.loads, default=None, help="JSON dict for timm.create_model")
-    p.add_argument("--model-class", choices=("MAE", "CLIP", "mmssl.models.mae.MAE", "mmssl.models.clip.CLIP"),
-                   help="model class if the checkpoint records none (only mmssl's own are built)")
+    add_checkpoint_arguments(p)
     p.add_argument("--train-data", required=True, help="labelled train set: clip_benchmark DIR/SPLIT, shard folder/pattern, or image folder")
     p.add_argument("--val-data", required=True, help="labelled evaluation set")
     p.add_argument("--feature", choices=("cls", "avg", "embedding"), default="cls")

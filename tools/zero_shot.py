@@ -6,8 +6,8 @@
 The set is a clip_benchmark ``wds/`` folder (``DIR/{split}``, or ``DIR`` for its ``test`` split),
 a folder or pattern of shards with ``cls``, or class folders, with ``classnames.txt``; prompts come
 from ``zeroshot_classification_templates.txt`` (beside the shards, else at the clip_benchmark
-root), ``--templates``, or CLIP's 80 ImageNet templates. ``--ckpt`` takes an mmssl Lightning checkpoint or an open_clip state dict with
-``--model NAME-or-json``.
+root), ``--templates``, or CLIP's 80 ImageNet templates. ``--ckpt`` takes an mmssl CLIP Lightning checkpoint or an open_clip state dict with
+``--model NAME-or-json``; an image-only model (MAE, a fine-tuned ImageClassifier) is refused.
 """
 
 from __future__ import annotations
@@ -15,16 +15,13 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from mmssl.evaluation.encoders import load_model
+from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
 from mmssl.evaluation.offline import emit_report, zero_shot_report
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="Lightning .ckpt, or an open_clip state dict with --model")
-    p.add_argument("--model", help="open_clip model name or .json config of a state-dict file")
-    p.add_argument("--model-class", choices=("MAE", "CLIP", "mmssl.models.mae.MAE", "mmssl.models.clip.CLIP"),
-                   help="model class if the checkpoint records none (only mmssl's own are built)")
+    add_checkpoint_arguments(p, "open_clip model name or .json config", model_kwargs=False)
     p.add_argument("--data", required=True, help="labelled set: clip_benchmark DIR or DIR/SPLIT, shard folder/pattern, or image folder")
     p.add_argument("--classnames", help="class-names file (default: classnames.txt beside the data)")
     p.add_argument("--templates", help="templates file (default: beside the data, else the 80 OpenAI ones)")

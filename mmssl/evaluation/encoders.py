@@ -2,12 +2,16 @@
 
 Every loader returns a module with the probe protocol (``mmssl.evaluation.features``) and
 ``image_size`` / ``image_mean`` / ``image_std`` for the eval transform; CLIP-like ones also have
-``encode_text`` and ``tokenizer`` for zero-shot.
+``encode_text`` and ``tokenizer`` for zero-shot. Lightning checkpoints are built as one of an
+allow-list of mmssl classes: ``MAE``, ``CLIP``, and the fine-tuned ``ImageClassifier`` (its ViT
+without the head: ``encode_image`` is the pooled pre-logits feature).
 """
 
 from __future__ import annotations
 
+import argparse
 import inspect
+import json
 import os
 from typing import Any, Optional
 
@@ -19,6 +23,7 @@ import yaml
 from torch import Tensor, nn
 
 from mmssl.checkpoints import read_checkpoint, read_state_dict
+from mmssl.models.classifier import vit_block_features, vit_probe_tokens
 
 
 class TimmEncoder(nn.Module):
@@ -43,24 +48,22 @@ class TimmEncoder(nn.Module):
 
     def forward_features(self, images: Tensor) -> Tensor:
         """(B, 3, H, W) -> (B, 1+L, D): cls token then patch tokens (register tokens dropped)."""
-        tokens = self.model.forward_features(images)  # (B, prefix+L, D)
-        return torch.cat([tokens[:, :1], tokens[:, self.num_prefix_tokens :]], dim=1)
+        return vit_probe_tokens(self.model, images)
 
     def forward_intermediates(self, images: Tensor, pool: str = "cls", norm: bool = False) -> list[Tensor]:
         """Pooled (B, D) output of every block, block 1 first (timm's ``forward_intermediates``)."""
-        out = self.model.forward_intermediates(
-            images, norm=norm, output_fmt="NLC", intermediates_only=True, return_prefix_tokens=True
-        )  # [((B, L, D) patches, (B, prefix, D) prefix)] per block
-        return [prefix[:, 0] if pool == "cls" else patches.mean(dim=1) for patches, prefix in out]
+        return vit_block_features(self.model, images, pool, norm)
 
 
 def _model_classes() -> dict[str, type[pl.LightningModule]]:
     """The LightningModules a checkpoint may be loaded into, by the class path LightningCLI
     records. A checkpoint selects one of these by name; nothing else is ever imported."""
+    from mmssl.models.classifier import ImageClassifier
     from mmssl.models.clip import CLIP  # evaluation -> models: callbacks never import this
     from mmssl.models.mae import MAE
 
-    return {"mmssl.models.mae.MAE": MAE, "mmssl.models.clip.CLIP": CLIP}
+    return {"mmssl.models.mae.MAE": MAE, "mmssl.models.clip.CLIP": CLIP,
+            "mmssl.models.classifier.ImageClassifier": ImageClassifier}
 
 
 def _lightning_class(path: str, checkpoint: dict, model_class: Optional[str] = None) -> type[pl.LightningModule]:
@@ -80,13 +83,38 @@ def _lightning_class(path: str, checkpoint: dict, model_class: Optional[str] = N
             f"config.yaml beside the run): pass --model-class, one of {sorted(classes)}"
         )
     short = {name.rpartition(".")[2]: cls for name, cls in classes.items()}
-    cls = classes.get(class_path) or short.get(class_path)
+    # The short name, or the package's public path a config may give (mmssl.models.ImageClassifier).
+    cls = classes.get(class_path) or short.get(class_path) or short.get(class_path.removeprefix("mmssl.models."))
     if cls is None:
         raise ValueError(
             f"{path}: model class {class_path!r} is not one mmssl loads checkpoints into; "
             f"choose from {sorted(classes)}"
         )
     return cls
+
+
+def model_class_names() -> tuple[str, ...]:
+    """``--model-class`` choices: the allow-listed classes by short name, then by class path."""
+    paths = sorted(_model_classes())
+    return (*(p.rpartition(".")[2] for p in paths), *paths)
+
+
+def add_checkpoint_arguments(parser: argparse.ArgumentParser, state_dict_models: str = "timm name, open_clip name or .json",
+                             model_kwargs: bool = True) -> None:
+    """The tools' checkpoint arguments: ``--ckpt``, ``--model``, ``--model-kwargs``, ``--model-class``
+    (the arguments of :func:`load_model`).
+
+    Args:
+        parser: the tool's parser.
+        state_dict_models: what ``--model`` may name, for its help.
+        model_kwargs: add ``--model-kwargs`` (timm models only).
+    """
+    parser.add_argument("--ckpt", required=True, help="Lightning .ckpt, or a state dict with --model")
+    parser.add_argument("--model", help=f"architecture of a state-dict file: {state_dict_models}")
+    if model_kwargs:
+        parser.add_argument("--model-kwargs", type=json.loads, default=None, help="JSON dict for timm.create_model")
+    parser.add_argument("--model-class", choices=model_class_names(),
+                        help="model class if the checkpoint records none (only mmssl's own are built)")
 
 
 def load_lightning(path: str, model_class: Optional[str] = None) -> pl.LightningModule:
@@ -98,8 +126,9 @@ def load_lightning(path: str, model_class: Optional[str] = None) -> pl.Lightning
 
     Args:
         path: the ``.ckpt`` file.
-        model_class: ``mmssl.models.mae.MAE`` or ``mmssl.models.clip.CLIP`` (or ``MAE`` /
-            ``CLIP``), overriding what the checkpoint records.
+        model_class: ``mmssl.models.mae.MAE``, ``mmssl.models.clip.CLIP`` or
+            ``mmssl.models.classifier.ImageClassifier`` (or ``MAE`` / ``CLIP`` /
+            ``ImageClassifier``), overriding what the checkpoint records.
 
     Returns:
         The module on the CPU, in eval mode.
@@ -160,7 +189,8 @@ def load_model(
         path: checkpoint or state-dict file.
         model: architecture of a state-dict file (open_clip name / JSON, or timm name).
         model_kwargs: ``timm.create_model`` extras.
-        model_class: ``MAE`` / ``CLIP`` (or their class paths) for checkpoints that record none.
+        model_class: ``MAE`` / ``CLIP`` / ``ImageClassifier`` (or their class paths) for
+            checkpoints that record none.
 
     Returns:
         The module with the probe protocol, in eval mode, on the CPU.

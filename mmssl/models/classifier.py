@@ -142,6 +142,24 @@ def load_pretrained(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
     return missing, ignored
 
 
+def vit_probe_tokens(model: nn.Module, images: Tensor) -> Tensor:
+    """A timm ViT's ``forward_features`` in the probe layout: (B, 3, H, W) -> (B, 1+L, D), the cls
+    token then the patch tokens (register tokens dropped)."""
+    if getattr(model, "cls_token", None) is None:
+        raise TypeError(f"{type(model).__name__} has no cls token: the probe features need one (class_token=True)")
+    tokens = model.forward_features(images)  # (B, prefix+L, D)
+    return torch.cat([tokens[:, :1], tokens[:, model.num_prefix_tokens:]], dim=1)
+
+
+def vit_block_features(model: nn.Module, images: Tensor, pool: str = "cls", norm: bool = False) -> list[Tensor]:
+    """Pooled (B, D) output of every block of a timm ViT, block 1 first (timm's
+    ``forward_intermediates``): the cls token (``pool="cls"``) or the mean of the patch tokens."""
+    out = model.forward_intermediates(
+        images, norm=norm, output_fmt="NLC", intermediates_only=True, return_prefix_tokens=True
+    )  # [((B, L, D) patches, (B, prefix, D) prefix)] per block
+    return [prefix[:, 0] if pool == "cls" else patches.mean(dim=1) for patches, prefix in out]
+
+
 class ImageClassifier(LightningModule):
     """Fine-tune a timm ViT with a new head (MAE's end-to-end fine-tuning protocol).
 
@@ -248,9 +266,18 @@ class ImageClassifier(LightningModule):
 
     # ---- named stages (timm forward_features / forward_head) ---------------------------------
 
+    # The probe protocol (mmssl.evaluation.features), so that the probe and attention tools take
+    # a fine-tuned checkpoint. Under global_pool="avg" timm's final ``norm`` is an Identity (the
+    # norm is ``fc_norm``, after pooling): the "cls" / "avg" token features are un-normed, and
+    # ``encode_image`` (the "embedding" feature) is what the head reads.
+
     def forward_features(self, images: Tensor) -> Tensor:
-        """(B, 3, H, W) -> (B, 1+L, D) tokens (timm ``forward_features``; un-normed under avg pool)."""
-        return self.model.forward_features(images)
+        """(B, 3, H, W) -> (B, 1+L, D): cls token then patch tokens (see :func:`vit_probe_tokens`)."""
+        return vit_probe_tokens(self.model, images)
+
+    def forward_intermediates(self, images: Tensor, pool: str = "cls", norm: bool = False) -> list[Tensor]:
+        """Pooled (B, D) output of every block, block 1 first (see :func:`vit_block_features`)."""
+        return vit_block_features(self.model, images, pool, norm)
 
     def encode_image(self, images: Tensor) -> Tensor:
         """(B, 3, H, W) -> (B, D) pooled features before the head (what probes read)."""
