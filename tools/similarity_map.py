@@ -6,7 +6,7 @@ every patch token through the image tower's final norm and projection, cosine wi
 
 One PNG per image, one panel per query; each panel is scaled to its own range (its titles give
 the cosine range). ``--ckpt`` takes an mmssl CLIP checkpoint, or an open_clip state dict with
-``--model NAME-or-json``.
+``--model NAME-or-json``; an image-only model (MAE, a fine-tuned ImageClassifier) is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import os
 from typing import Optional
 
-from mmssl.evaluation.encoders import load_model
+from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
 from mmssl.visualize.figures import overlay_grid, save_png
 from mmssl.visualize.inputs import load_images
 from mmssl.visualize.similarity import similarity_maps
@@ -23,8 +23,7 @@ from mmssl.visualize.similarity import similarity_maps
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", required=True, help="Lightning .ckpt, or an open_clip state dict with --model")
-    p.add_argument("--model", help="open_clip model name or .json config of a state-dict file")
+    add_checkpoint_arguments(p, "open_clip model name or .json config", model_kwargs=False)
     p.add_argument("--image", nargs="+", required=True, help="image files")
     p.add_argument("--text", action="append", required=True, help="a query; repeat for more")
     p.add_argument("--output", required=True, help="folder for the PNGs")
@@ -36,7 +35,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> list[str]:
     args = parse_args(argv)
-    model = load_model(args.ckpt, args.model)
+    model = load_model(args.ckpt, args.model, None, args.model_class)
     images, views = load_images(args.image, model)
     maps = similarity_maps(model, images, args.text, args.value_path).numpy()  # (B, Q, h, w)
     os.makedirs(args.output, exist_ok=True)
