@@ -21,7 +21,8 @@ from typing import Optional
 import numpy as np
 from PIL import Image
 
-from mmssl.data.shards import shuffled, write_shards
+from mmssl.data.folders import shuffled
+from mmssl.data.shards import write_shards
 
 _WORDS = (
     "a photo of the with and in on for at by from red blue green black white old new small large "

@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 
 from mmssl.data.labeled import write_clip_benchmark_files
-from mmssl.data.shards import folder_items, shuffled, table_items, write_shards
+from mmssl.data.folders import folder_items, shuffled
+from mmssl.data.shards import table_items, write_shards
 
 
 def number_shards(folder: str, sizes: dict[str, int]) -> dict[str, int]:

@@ -1,4 +1,5 @@
-"""Reading raw samples from tar shards, with bad input counted: whole shards, or pieces of them.
+"""Reading raw samples from tar shards (or an image folder's virtual shards, :mod:`mmssl.data.folders`),
+with bad input counted: whole shards, or pieces of them.
 
 webdataset's ``tarfile_samples`` does the reading (URLs and ``pipe:`` work); a piece that starts
 inside a local tar is entered by seeking to its first sample instead of reading the ones before it.
@@ -15,6 +16,7 @@ from typing import Iterator, Optional, Sequence
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
+from mmssl.data.folders import folder_samples, is_folder_url
 from mmssl.data.plan import Piece
 from mmssl.data.sources import is_local
 
@@ -64,6 +66,8 @@ class Health:
 
 
 def _tar(url: str, health: Health) -> Iterator[dict]:
+    if is_folder_url(url):
+        return (sample for _, sample in folder_samples(url, 0, health.tar_failed))
     return wds.tarfile_samples([{"url": url}], handler=functools.partial(health.tar_failed, url))
 
 
@@ -112,6 +116,9 @@ def _shard_samples(url: str, first: int, health: Health) -> Iterator[tuple[int, 
     range cost a header scan, not a read; other URLs are read from the start and the samples before
     ``first`` dropped undecoded.
     """
+    if is_folder_url(url):
+        yield from folder_samples(url, first, health.tar_failed)  # random access: no scan
+        return
     start = _sample_start(url, first) if first > 0 and is_local(url) and url.endswith(".tar") else None
     if start is not None:
         handler = functools.partial(health.tar_failed, url)

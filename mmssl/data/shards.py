@@ -1,7 +1,7 @@
 """Write and check webdataset shards (img2dataset layout); ``tools/make_shards.py`` and
 ``tools/inspect_shards.py`` are thin command lines over these functions.
 
-:func:`shuffled` mixes the samples before they are written (a folder lists them class by class).
+:func:`~mmssl.data.folders.shuffled` mixes the samples before they are written (a folder lists them class by class).
 Shards hold ``{key}.jpg|png`` (or the original bytes), ``{key}.txt`` and, when labelled,
 ``{key}.cls``; a ``sizes.json`` beside them lists samples per shard (open_clip's convention),
 which exact-epoch training needs.
@@ -13,7 +13,6 @@ import csv
 import io
 import json
 import os
-import random
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -26,40 +25,11 @@ from tqdm import tqdm
 from mmssl.data.decode import BadSample, SampleDecoder
 from mmssl.data.sources import expand_urls
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 # inspect_shards warns about a shard whose most common label or caption covers more than this
 # fraction of its samples (a class-ordered shard: its batches would be nearly one class), once the
 # shard holds at least MIN_SAMPLES_TO_JUDGE samples.
 NEARLY_CONSTANT = 0.9
 MIN_SAMPLES_TO_JUDGE = 10
-
-
-def shuffled(items: list, seed: int = 0) -> list:
-    """``items`` in an order drawn from ``seed``: shards written from a class-ordered folder then
-    mix classes, so a worker's shuffle buffer, which only mixes nearby samples, sees many classes."""
-    items = list(items)
-    random.Random(seed).shuffle(items)
-    return items
-
-
-def folder_items(root: str, template: str = "a photo of a {c}.") -> tuple[list[tuple[str, str, int]], list[str]]:
-    """Samples of an image folder with one sub-folder per class.
-
-    Args:
-        root: the folder.
-        template: caption template, ``{c}`` replaced by the class name (folder name, ``_`` -> space).
-
-    Returns:
-        ``(path, caption, label)`` per image, and the class names in label order.
-    """
-    classes = sorted(d.name for d in Path(root).iterdir() if d.is_dir())
-    if not classes:
-        raise FileNotFoundError(f"{root!r} has no class sub-folders")
-    names = [c.replace("_", " ") for c in classes]
-    items = [(str(p), template.format(c=names[label]), label)
-             for label, c in enumerate(classes)
-             for p in sorted((Path(root) / c).iterdir()) if p.suffix.lower() in IMAGE_EXTENSIONS]
-    return items, names
 
 
 def table_items(path: str) -> list[tuple[str, str, Optional[int]]]:

@@ -6,6 +6,8 @@ Accepted specs:
   open_clip do);
 - several specs joined with ``::`` (open_clip's ``--train-data`` convention), concatenated;
 - a folder: every ``*.tar`` inside, sorted;
+- an image folder, ``ROOT/<class>/<image>`` (torchvision's ``ImageFolder`` layout): read as virtual
+  shards (:mod:`mmssl.data.folders`), labels from the sorted class names;
 - any URL or ``pipe:`` command that webdataset's ``gopen`` opens (``pipe:aws s3 cp ... -``);
 - a YAML list of any of these: one source made of all of them;
 - a YAML list of mappings ``{data: SPEC, weight: W}``: weighted mixing of several sources, drawn
@@ -23,6 +25,8 @@ from typing import Any, Optional, Sequence, Union
 
 import braceexpand
 from webdataset.tariterators import base_plus_ext
+
+from mmssl.data.folders import IMAGE_EXTENSIONS, folder_shard_size, folder_urls, is_class_folder, is_folder_url
 
 # What the config accepts; jsonargparse validates against this.
 DataSpec = Union[str, list[Union[str, dict[str, Any]]]]
@@ -53,7 +57,8 @@ def expand_urls(pattern: Union[str, Sequence[str]], must_exist: bool = True) -> 
 
     Args:
         pattern: brace pattern (``data/{00000..00099}.tar``), several joined with ``::``, a
-            folder (every ``*.tar`` inside, sorted), a URL or ``pipe:`` command, or a list of these.
+            folder (every ``*.tar`` inside, sorted), an image folder with class sub-folders (its
+            virtual shards, :mod:`mmssl.data.folders`), a URL or ``pipe:`` command, or a list of these.
         must_exist: check that local shards exist (planning from ``sizes.json`` alone does not).
 
     Returns:
@@ -69,17 +74,20 @@ def expand_urls(pattern: Union[str, Sequence[str]], must_exist: bool = True) -> 
             part = part.strip()
             if not part:
                 continue
-            if is_local(part) and os.path.isdir(part):
+            if is_local(part) and is_class_folder(part):
+                urls += folder_urls(part)
+            elif is_local(part) and os.path.isdir(part):
                 found = sorted(os.path.join(part, f) for f in os.listdir(part) if f.endswith(".tar"))
                 if not found:
                     raise FileNotFoundError(
-                        f"no .tar shards in folder {part!r} (looked for {os.path.join(part, '*.tar')}); "
-                        "write some with tools/make_shards.py or point data.train_data at a brace pattern"
+                        f"no .tar shards in folder {part!r} (looked for {os.path.join(part, '*.tar')}), and no "
+                        f"class sub-folders of images ({', '.join(IMAGE_EXTENSIONS)}) either; write shards with "
+                        "tools/make_shards.py or point data.train_data at a brace pattern"
                     )
                 urls += found
             else:
                 urls += list(braceexpand.braceexpand(part))
-    missing = [u for u in urls if must_exist and is_local(u) and not os.path.exists(u)]
+    missing = [u for u in urls if must_exist and is_local(u) and not is_folder_url(u) and not os.path.exists(u)]
     if missing:
         raise FileNotFoundError(
             f"{len(missing)} of {len(urls)} shards of {pattern!r} do not exist, e.g. {missing[:3]}"
@@ -142,6 +150,9 @@ def shard_sizes(urls: Sequence[str], scan: bool = True) -> Optional[list[int]]:
     """
     sizes, cache = [], {}
     for url in urls:
+        if is_folder_url(url):
+            sizes.append(folder_shard_size(url))
+            continue
         folder, name = os.path.split(url)
         if folder not in cache:
             path = os.path.join(folder, "sizes.json")
