@@ -30,12 +30,13 @@ class NonFiniteGuard(pl.Callback):
       non-finite flag stays on the device, is all-reduced (MAX) across ranks without a host read,
       and is handed to the optimizer as its ``found_inf``, the input ``GradScaler`` uses: the fused
       kernel then leaves parameters and moments alone and torch takes the step count back
-      (``torch/optim/adam.py``, ``_fused_adam``). The skip and stop counts accumulate on the device
-      and the host reads them only every ``check_every_n_steps`` steps (default: Lightning's
-      logging steps), when the trainer saves a checkpoint and at the end of training. On a GPU,
-      where a host read is a device sync, the loop thus never waits for the GPU in between; a run
-      of ``max_consecutive`` skipped steps is detected at the next read, up to
-      ``check_every_n_steps - 1`` steps late (those steps are skipped too, so no weight is harmed).
+      (``torch/optim/adam.py``, ``_fused_adam``; a skipped first step leaves Adam's freshly made
+      state: zero moments, step 0). The counts accumulate on the device; the host reads them every
+      ``check_every_n_steps`` steps (default: Lightning's logging steps) and at the end of
+      training, where it also checks the limit, and when a checkpoint is saved (counts only). On a
+      GPU, where a host read is a device sync, the loop never waits for the GPU in between; a run
+      of ``max_consecutive`` skipped steps stops training at the next check, up to
+      ``check_every_n_steps - 1`` steps late (steps that are skipped too: no weight is harmed).
     - **Synchronous** (any other optimizer, or fp16 with a ``GradScaler``, which sets
       ``found_inf`` itself): the flag is read every step and every ``.grad`` of a bad step is
       dropped, so the optimizer passes over every parameter; the stop is immediate.
@@ -56,9 +57,10 @@ class NonFiniteGuard(pl.Callback):
         self.skipped = 0  # exact as of the last host read
         self.consecutive = 0
         self.host_reads = 0  # reads of the device counts (each one a device sync on a GPU)
-        # On the flag's device: [skipped since the last read, current run of skipped steps,
-        # global step at which the run first reached max_consecutive (-1: not reached)].
-        self._counts: Optional[Tensor] = None
+        # Sync-free path, on the flag's device: skipped since the last read, the current run of
+        # skipped steps, the longest run since the last read. Four tiny ops a step (~0.3 ms on
+        # this CPU, a few launches on a GPU) keep them, against a host read of the flag.
+        self._counts: Optional[tuple[Tensor, Tensor, Tensor]] = None
         self._armed: list[torch.optim.Optimizer] = []
 
     @staticmethod
@@ -89,50 +91,65 @@ class NonFiniteGuard(pl.Callback):
             # Written out rather than `trainer.strategy.reduce`: Lightning's `_sync_ddp` puts a
             # barrier (a host wait) before every all-reduce. MAX: any rank bad -> every rank skips.
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        self._record(bad, trainer.global_step)
         if self.sync_free(trainer, optimizer):
+            self._record(bad)
             optimizer.found_inf = bad  # read by the fused step (torch.optim.Adam.step)
             self._armed.append(optimizer)
             every = self.check_every_n_steps
             if logging_step(trainer) if every is None else (trainer.global_step + 1) % every == 0:
                 self._read(trainer, pl_module)
             return
-        if bool(bad):  # synchronous path: a host read every step
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
-            self._read(trainer, pl_module)
-
-    def _record(self, bad: Tensor, step: int) -> None:
-        if self._counts is None or self._counts.device != bad.device:
-            pending = self._counts
-            self._counts = torch.tensor([0.0, 0.0, -1.0], device=bad.device)
-            if pending is not None:
-                self._counts.copy_(pending)
-        counts = self._counts
-        counts[0].add_(bad)
-        counts[1].add_(1).mul_(bad)  # the run grows on a bad step, restarts at 0 on a good one
-        reached = (counts[2] < 0) & (counts[1] >= self.max_consecutive)
-        counts[2].copy_(torch.where(reached, float(step), counts[2]))
-
-    def _read(self, trainer: pl.Trainer, pl_module: Optional[pl.LightningModule], stop: bool = True) -> None:
-        """Bring the device counts to the host (the guard's only host wait on the sync-free path);
-        log the total and raise if a run reached ``max_consecutive``."""
-        if self._counts is None:
+        # Synchronous path: a host read every step (free on a CPU, a device sync on a GPU).
+        if not bool(bad):
+            self.consecutive = 0
             return
+        self.skipped += 1
+        self.consecutive += 1
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        pl_module.log("train/nonfinite_skipped", float(self.skipped), rank_zero_only=True)
+        self._stop_if(self.consecutive, trainer)
+
+    def _record(self, bad: Tensor) -> None:
+        if self._counts is None or self._counts[0].device != bad.device:
+            self._pull()
+            self._counts = (torch.zeros((), device=bad.device), torch.zeros((), device=bad.device),
+                            torch.zeros((), device=bad.device))
+        new, run, longest = self._counts
+        new.add_(bad)
+        run.add_(1).mul_(bad)  # the run grows on a bad step, restarts at 0 on a good one
+        torch.maximum(longest, run, out=longest)
+
+    def _pull(self, new_window: bool = True) -> float:
+        """Add the device counts to the host's (the guard's only host wait on the sync-free path);
+        return the longest run of skipped steps since the last read that checked it
+        (``new_window``: this one checks it, so the next window starts from the current run)."""
+        if self._counts is None:
+            return 0.0
         self.host_reads += 1
-        new, run, reached = self._counts.tolist()
-        self._counts[0] = 0.0
-        self.skipped += int(new)
-        self.consecutive = int(run)
+        new, run, longest = self._counts
+        values = torch.stack(self._counts).tolist()
+        new.zero_()
+        if new_window:
+            longest.copy_(run)  # a run in progress carries over into the next window
+        self.skipped += int(values[0])
+        self.consecutive = int(values[1])
+        return values[2]
+
+    def _read(self, trainer: pl.Trainer, pl_module: Optional[pl.LightningModule]) -> None:
+        longest = self._pull()
         if pl_module is not None and self.skipped:
             pl_module.log("train/nonfinite_skipped", float(self.skipped), rank_zero_only=True)
-        if stop and reached >= 0:
+        self._stop_if(int(longest), trainer)
+
+    def _stop_if(self, run: int, trainer: pl.Trainer) -> None:
+        if run >= self.max_consecutive:
             raise RuntimeError(
-                f"NonFiniteGuard: the loss or gradients were NaN/inf for {self.max_consecutive} steps in a "
-                f"row (reached at step {int(reached)}, checked at step {trainer.global_step}, {self.skipped} "
-                "skipped in all). Lower the learning rate, raise warm-up, or check the data; the last good "
-                "checkpoint is untouched."
+                f"NonFiniteGuard: the loss or gradients were NaN/inf for {run} steps in a row (the limit "
+                f"is {self.max_consecutive}; step {trainer.global_step}, {self.skipped} skipped in all). "
+                "Lower the learning rate, raise warm-up, or check the data; the last good checkpoint is "
+                "untouched."
             )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -146,12 +163,7 @@ class NonFiniteGuard(pl.Callback):
         self._read(trainer, None)  # `log` is not allowed here; the counts and the stop still are
 
     def state_dict(self) -> dict[str, Any]:
-        if self._counts is not None:  # exact counts in every checkpoint (no stop raised from here)
-            self.host_reads += 1
-            new, run, _ = self._counts.tolist()
-            self._counts[0] = 0.0
-            self.skipped += int(new)
-            self.consecutive = int(run)
+        self._pull(new_window=False)  # exact counts in every checkpoint; the stop check is left to the next read
         return {"skipped": self.skipped, "consecutive": self.consecutive}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -90,7 +90,7 @@ def test_fused_adamw_skips_on_the_device_and_reads_the_host_only_at_checks():
 
 def test_fused_path_stops_at_the_first_check_after_too_many_in_a_row():
     model, guard = _Poisoned(set(range(1, 20)), fused=True), NonFiniteGuard(max_consecutive=2, check_every_n_steps=4)
-    with pytest.raises(RuntimeError, match=r"NaN/inf for 2 steps in a row \(reached at step 2, checked at step 3"):
+    with pytest.raises(RuntimeError, match=r"NaN/inf for 3 steps in a row \(the limit is 2; step 3,"):
         _trainer(guard, 20).fit(model)
     assert all(torch.equal(model.snapshots[1], w) for step, w in model.snapshots.items() if step >= 1)
     assert guard.host_reads == 1 and guard.skipped == 3
@@ -103,3 +103,19 @@ def test_sync_free_is_picked_only_where_the_fused_step_takes_the_step_back():
     assert NonFiniteGuard.sync_free(trainer, torch.optim.Adam(w, fused=True))
     assert not NonFiniteGuard.sync_free(trainer, torch.optim.AdamW(w))
     assert not NonFiniteGuard.sync_free(trainer, torch.optim.SGD(w, lr=0.1, momentum=0.9, fused=True))
+
+
+def test_a_checkpoint_between_checks_keeps_the_counts_exact_and_the_stop_pending():
+    model, guard = _Poisoned({1, 2}, fused=True), NonFiniteGuard(max_consecutive=2, check_every_n_steps=6)
+
+    class _SaveAt(pl.Callback):  # the state a checkpoint at step 4 would hold
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 4:
+                self.saved = guard.state_dict()
+
+    saver = _SaveAt()
+    trainer = pl.Trainer(max_steps=10, callbacks=[guard, saver], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(RuntimeError, match=r"NaN/inf for 2 steps in a row \(the limit is 2; step 5,"):
+        trainer.fit(model)  # the run of steps 1-2 ended before the checkpoint; the read at step 6 stops
+    assert saver.saved == {"skipped": 2, "consecutive": 0}
