@@ -11,7 +11,9 @@ The same model (``configs/fashion_mnist/clip_tiny_28.json``, 8.3M parameters), t
 - ``mmssl``: the config's ``mmssl fit`` (CLI-built trainer with its callbacks, loggers and
   LR schedule, mmssl's CLIP module with its hooks), fed the same batches.
 
-Prints the median ms/step of each and the differences. With ``--profile N`` the ``mmssl`` run is
+Prints the median ms/step of each and the differences, and how many times ``NonFiniteGuard`` read
+its device flags on the host in the ``mmssl`` run (each read is a device sync on a GPU).
+``--runs guard`` times the guard's hook alone on the model's gradients, on both of its paths. With ``--profile N`` the ``mmssl`` run is
 profiled (cProfile, N timed steps) and the functions of mmssl and Lightning callbacks/loggers that
 cost most per step are listed.
 """
@@ -131,9 +133,36 @@ def mmssl_fit(data: list[dict[str, torch.Tensor]], warmup: int, profile: int = 0
 
         cli.trainer.callbacks.append(_Profile())
     cli.trainer.fit(cli.model, train_dataloaders=_loader(data))
+    guard = next((c for c in cli.trainer.callbacks if type(c).__name__ == "NonFiniteGuard"), None)
+    if guard is not None and hasattr(guard, "host_reads"):  # each read is a device sync on a GPU
+        print(f"NonFiniteGuard: {guard.host_reads} host reads of its flags in {len(data)} steps")
     if profile:
         report = _top(profiler, profile)
     return timer.times, report
+
+
+def guard_hook(reps: int = 200) -> dict[str, float]:
+    """Median ms of ``NonFiniteGuard.on_before_optimizer_step`` alone on the tiny CLIP's gradients:
+    the sync-free path (fused AdamW) and the synchronous one (foreach AdamW), interleaved."""
+    from types import SimpleNamespace
+
+    from mmssl.callbacks.guards import NonFiniteGuard
+
+    model = _clip()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    trainer = SimpleNamespace(world_size=1, global_step=0, precision_plugin=None)  # what the hook reads
+    module = SimpleNamespace(device=torch.device("cpu"))
+    cases = {"guard sync-free (fused AdamW)": (NonFiniteGuard(check_every_n_steps=10**9),
+                                                torch.optim.AdamW(model.parameters(), fused=True)),
+             "guard synchronous (foreach AdamW)": (NonFiniteGuard(), torch.optim.AdamW(model.parameters()))}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(reps):
+        for name, (guard, optimizer) in cases.items():
+            start = time.perf_counter()
+            guard.on_before_optimizer_step(trainer, module, optimizer)
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 def _top(profiler: cProfile.Profile, steps: int, n: int = 25) -> str:
@@ -155,7 +184,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=150, help="steps per run (the first --warmup untimed)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--profile", type=int, default=0, help="cProfile this many mmssl steps")
-    parser.add_argument("--runs", default="torch,lightning,mmssl")
+    parser.add_argument("--runs", default="torch,lightning,mmssl", help="also: guard (NonFiniteGuard's hook alone)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     data = batches(args.steps, args.batch_size)
@@ -169,13 +198,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             times = plain_lightning(data, args.warmup)
         elif run == "mmssl":
             times, report = mmssl_fit(data, args.warmup, args.profile)
+        elif run == "guard":
+            medians.update(guard_hook())
+            continue
         else:
             parser.error(f"--runs: unknown {run!r}")
         medians[run] = statistics.median(times) * 1e3
     print(f"\ntiny CLIP ({MODEL.name}), batch {args.batch_size}, fp32, 1 thread, {args.steps - args.warmup} timed steps")
+    width = max(10, *(len(run) + 2 for run in medians))
     for run, ms in medians.items():
-        extra = f"  (+{ms - medians['torch']:.2f} ms over torch)" if "torch" in medians and run != "torch" else ""
-        print(f"{run:<10}{ms:8.2f} ms/step{extra}")
+        extra = f"  (+{ms - medians['torch']:.2f} ms over torch)" if "torch" in medians and run in ("lightning", "mmssl") else ""
+        print(f"{run:<{width}}{ms:8.2f} ms{'' if run.startswith('guard') else '/step'}{extra}")
     if report:
         print("\nmmssl run, cProfile (cumulative per step, project and Lightning loop/callback/logger code):\n" + report)
     return {"ms_per_step": medians, "profile": report}
