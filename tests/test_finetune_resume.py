@@ -62,7 +62,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+# One process only: each rank's numpy stream goes through the same RNGState save/restore as its
+# torch stream, which tests/test_resume.py::test_two_process_run_resumes_mid_epoch_exactly checks
+# on 2 ranks; a 2-rank variant here (PLANS[2], passing) cost ~40 s of the suite's 15 minutes.
+@pytest.mark.parametrize("ranks", [1])
 def test_finetune_with_mixup_cutmix_resumes_exactly(tmp_path, one_thread, ranks):
     steps, every = PLANS[ranks]
     train = write_labelled(tmp_path / "train", [48, 48], 0)
