@@ -23,6 +23,8 @@ import random
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from torchvision.datasets.folder import find_classes, make_dataset
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 SCHEME = "imagefolder:"
 # Images per virtual shard: the unit the plan deals to ranks and workers, and validation's unit of
@@ -42,6 +44,10 @@ def shuffled(items: list, seed: int = 0) -> list:
 def folder_items(root: str, template: str = DEFAULT_TEMPLATE) -> tuple[list[tuple[str, str, int]], list[str]]:
     """Samples of an image folder with one sub-folder per class.
 
+    The listing is torchvision's own (``find_classes`` + ``make_dataset``, what ``ImageFolder``
+    reads), so training from a folder and evaluating on it with the probes' ``ImageFolder`` give
+    every image the same label.
+
     Args:
         root: the folder.
         template: caption template, ``{c}`` replaced by the class name (folder name, ``_`` -> space).
@@ -49,14 +55,13 @@ def folder_items(root: str, template: str = DEFAULT_TEMPLATE) -> tuple[list[tupl
     Returns:
         ``(path, caption, label)`` per image, and the class names in label order.
     """
-    classes = sorted(d.name for d in Path(root).iterdir() if d.is_dir())
-    if not classes:
-        raise FileNotFoundError(f"{root!r} has no class sub-folders")
+    try:
+        classes, class_to_idx = find_classes(root)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{root!r} has no class sub-folders") from None
     names = [c.replace("_", " ") for c in classes]
-    items = [(str(p), template.format(c=names[label]), label)
-             for label, c in enumerate(classes)
-             for p in sorted((Path(root) / c).iterdir()) if p.suffix.lower() in IMAGE_EXTENSIONS]
-    return items, names
+    samples = make_dataset(root, class_to_idx, extensions=IMAGE_EXTENSIONS, allow_empty=True)
+    return [(path, template.format(c=names[label]), label) for path, label in samples], names
 
 
 def is_class_folder(path: str) -> bool:

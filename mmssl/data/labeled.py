@@ -41,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from torchvision.datasets import ImageFolder
 
 from mmssl.data.decode import BadSample, open_image
+from mmssl.data.folders import is_class_folder
 from mmssl.data.sources import expand_urls, is_local, shard_sizes
 
 log = logging.getLogger("mmssl.data")
@@ -135,13 +136,9 @@ def _find_meta(data: str, name: str) -> tuple[Optional[str], list[str]]:
 
 
 def is_image_folder(data: str) -> bool:
-    """True when ``data`` is a folder of class sub-folders (no ``*.tar`` shards, no clip_benchmark
-    splits)."""
-    if not os.path.isdir(data) or is_wds_split(data) or _wds_splits(data):
-        return False
-    entries = os.listdir(data)
-    has_tars = any(e.endswith(".tar") for e in entries)
-    return not has_tars and any(os.path.isdir(os.path.join(data, e)) for e in entries)
+    """True when ``data`` is a folder of class sub-folders holding images (no ``*.tar`` shards, no
+    clip_benchmark splits): the same test the training data uses (:func:`is_class_folder`)."""
+    return is_class_folder(data) and not is_wds_split(data) and not _wds_splits(data)
 
 
 def read_classnames(data: str, path: Optional[str] = None) -> list[str]:
