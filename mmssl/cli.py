@@ -47,6 +47,10 @@ def _trim_text_padding(model: pl.LightningModule) -> bool:
     return bool(getattr(model, "trim_text_padding", False))
 
 
+def _num_classes(model: pl.LightningModule) -> Optional[int]:
+    return getattr(model, "num_classes", None)  # a classifier's; labels beyond it are bad samples
+
+
 class MMSSLCLI(LightningCLI):
     """LightningCLI with one run folder per run and model-to-data links.
 
@@ -66,6 +70,7 @@ class MMSSLCLI(LightningCLI):
             ("image_std", _image_std),
             ("tokenizer", _tokenizer),
             ("trim_text_padding", _trim_text_padding),
+            ("num_classes", _num_classes),
         ):
             parser.link_arguments("model", f"data.init_args.{target}", compute_fn=fn, apply_on="instantiate")
         # Always on, configurable: the start/end report, and the non-finite step guard.

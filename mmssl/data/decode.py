@@ -11,7 +11,8 @@ from __future__ import annotations
 import io
 import math
 import random
-from typing import Any, Callable, Optional, Sequence
+import re
+from typing import Any, Callable, Optional, Sequence, Union
 
 from PIL import Image
 from torch import Tensor
@@ -20,13 +21,54 @@ from torch.utils.data import default_collate
 
 # ``image.info`` key of a reduced-size JPEG decode: (stored width, stored height, reduction).
 REDUCED_FROM = "mmssl_reduced_from"
+# Largest image (width x height, from its header) decoded: PIL's own decompression-bomb warning
+# threshold (the default ``Image.MAX_IMAGE_PIXELS``, 1024**3 // 4 // 3, a 256 MiB RGB decode; a
+# 9459 x 9459 image). Photos and web-scale sets lie far below it (img2dataset resizes to <= 1024
+# px; ImageNet's largest images are under 20 Mpx); above it, one decode costs each loader worker
+# hundreds of MB for an image the model sees at 224 px. PIL itself refuses twice this.
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+INT64_MAX = 2**63 - 1
+_INTEGER = re.compile(r"\s*(-?[0-9]+)\s*")
 
 
 class BadSample(Exception):
     """A sample that cannot be used; the message says why."""
 
 
-def open_image(data: bytes, min_size: Optional[int] = None) -> Image.Image:
+def parse_label(raw: Union[bytes, str], num_classes: Optional[int] = None, name: str = "label") -> int:
+    """An integer class label (a ``.cls`` member), checked against its bounds.
+
+    Args:
+        raw: the label's text: ASCII digits, optionally ``-`` and surrounding white space.
+        num_classes: when known, labels must be below it (``None``: no upper bound but int64's).
+        name: what the label is called in the error (e.g. ``"'cls'"``).
+
+    Returns:
+        The label, in ``[0, num_classes)`` (or ``[0, 2**63)``).
+
+    Raises:
+        ValueError: not an integer, negative, beyond int64 (torch's label type) or not below
+            ``num_classes``; the message starts with ``name`` and quotes the value.
+    """
+    try:
+        text = raw.decode("ascii") if isinstance(raw, (bytes, bytearray)) else str(raw)
+    except UnicodeDecodeError:
+        text = None
+    match = _INTEGER.fullmatch(text) if text is not None else None
+    if match is None:
+        raise ValueError(f"{name} is not an integer: {raw[:20]!r}")
+    label = int(match.group(1))
+    if label < 0:
+        raise ValueError(f"{name} is negative: {label}")
+    if label > INT64_MAX:
+        raise ValueError(f"{name} overflows int64: {match.group(1)[:40]}")
+    if num_classes is not None and label >= num_classes:
+        raise ValueError(f"{name} {label} is out of range for num_classes={num_classes}")
+    return label
+
+
+def open_image(data: bytes, min_size: Optional[int] = None,
+               max_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
     """Decode image bytes to an RGB PIL image, reduced-size for large JPEGs.
 
     Args:
@@ -35,6 +77,9 @@ def open_image(data: bytes, min_size: Optional[int] = None) -> Image.Image:
             decoded at 1/2, 1/4 or 1/8 scale by libjpeg's DCT scaling (Pillow's ``Image.draft``),
             which picks the largest reduction that keeps both sides >= ``min_size``. Decoding a
             1024-pixel JPEG for a 224-pixel model this way is several times faster.
+        max_pixels: largest width x height decoded, read from the header (``Image.open`` reads
+            only the header) before any pixel is; ``None``: no limit of mmssl's (PIL's own
+            ``Image.MAX_IMAGE_PIXELS`` x 2 still applies).
 
     Returns:
         The fully decoded RGB image (``load`` is forced here, so truncated files fail here). After
@@ -42,11 +87,17 @@ def open_image(data: bytes, min_size: Optional[int] = None) -> Image.Image:
         image's size and the reduction (2, 4 or 8), so that
         :class:`~mmssl.data.transforms.RandomResizedCropFlip` can draw its crop on the stored
         image's pixel grid, as it would without the reduction.
+
+    Raises:
+        BadSample: the header's size is above ``max_pixels`` (nothing was decoded).
     """
     image = Image.open(io.BytesIO(data))
+    width, height = image.size
+    if max_pixels is not None and width * height > max_pixels:
+        raise BadSample(f"{width}x{height} image ({width * height} pixels) is above max_image_pixels={max_pixels}: "
+                        "not decoded")
     reduced_from = None
     if min_size and image.format == "JPEG":
-        width, height = image.size
         drafted = image.draft("RGB", (min_size, min_size))
         if drafted is not None and drafted[1][2] < width:  # Pillow's box: the full extent, in reduced pixels
             reduced_from = (width, height, width / drafted[1][2])
@@ -91,10 +142,13 @@ class SampleDecoder:
             captions (MAE).
         image_keys: extensions holding the image, first present wins.
         text_key: extension holding the caption.
-        label_key: extension holding an integer class (optional in the sample).
+        label_key: extension holding an integer class (optional in the sample), read by
+            :func:`parse_label`.
         min_size: reduced-size JPEG decode target, see :func:`open_image`; ``None`` disables it.
         batch_transform: applied to the stacked ``(B, 3, H, W)`` images in :meth:`collate`
             (e.g. :class:`~mmssl.data.transforms.BatchNormalize` after a uint8 ``transform``).
+        num_classes: labels must lie in ``[0, num_classes)``; ``None``: any int64 >= 0.
+        max_pixels: largest image decoded (width x height from the header), see :func:`open_image`.
     """
 
     def __init__(
@@ -106,10 +160,12 @@ class SampleDecoder:
         label_key: str = "cls",
         min_size: Optional[int] = None,
         batch_transform: Optional[Callable] = None,
+        num_classes: Optional[int] = None,
+        max_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> None:
         self.transform, self.tokenizer, self.batch_transform = transform, tokenizer, batch_transform
         self.image_keys, self.text_key, self.label_key = tuple(image_keys), text_key, label_key
-        self.min_size = min_size
+        self.min_size, self.num_classes, self.max_pixels = min_size, num_classes, max_pixels
 
     def output_keys(self, raw: dict[str, Any]) -> set[str]:
         """The keys :meth:`__call__` returns for ``raw`` if it decodes (found without decoding)."""
@@ -125,15 +181,20 @@ class SampleDecoder:
             out["text"] = self._caption(raw)  # tokenised with its batch, in collate
         if self.label_key in raw:
             try:
-                out["label"] = int(raw[self.label_key].decode("ascii").strip())
-            except (UnicodeDecodeError, ValueError):
-                raise BadSample(f"{self.label_key!r} is not an integer: {raw[self.label_key][:20]!r}") from None
+                out["label"] = parse_label(raw[self.label_key], self.num_classes, repr(self.label_key))
+            except ValueError as exn:
+                raise BadSample(str(exn)) from None
+        out["image"] = self._image(raw, image_key, rng)
+        return out
+
+    def _image(self, raw: dict[str, Any], image_key: str, rng: Optional[random.Random]) -> Any:
         try:
-            image = open_image(raw[image_key], self.min_size)
+            image = open_image(raw[image_key], self.min_size, self.max_pixels)
+        except BadSample as exn:
+            raise BadSample(f"{image_key}: {exn}") from None
         except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError... on bad data
             raise BadSample(f"unreadable {image_key} ({type(exn).__name__}: {exn})") from None
-        out["image"] = self.transform(image) if rng is None else self.transform(image, rng)
-        return out
+        return self.transform(image) if rng is None else self.transform(image, rng)
 
     def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
         """Stack decoded samples, which all carry the same keys, into a batch, tokenising captions.

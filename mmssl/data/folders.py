@@ -13,17 +13,27 @@ writes them), so MAE, CLIP and ``ImageClassifier`` all train from a folder.
 
 Tar shards remain the better choice on network file systems (one large sequential read per
 shard instead of one open per image): ``tools/make_shards.py --folder ROOT`` writes them.
+
+:class:`LabeledFolder` reads a folder as a labelled evaluation set (the probes and zero-shot), in
+``ImageFolder``'s order and with its labels, but decoding as the training stream does (the pixel
+limit first) and reporting an unreadable image instead of stopping the evaluation.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import random
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
+from torch.utils.data import Dataset
 from torchvision.datasets.folder import find_classes, make_dataset
+
+from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadSample, open_image
+
+log = logging.getLogger("mmssl.data")
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 SCHEME = "imagefolder:"
@@ -136,3 +146,34 @@ def folder_samples(url: str, first: int = 0, on_error: Optional[Callable[[str, E
             continue
         yield offset, {"__key__": stem, "__url__": url, ext.lower().lstrip("."): data,
                        "cls": str(label).encode(), "txt": caption.encode()}
+
+
+class LabeledFolder(Dataset):
+    """An image folder as ``(transformed image, label)`` in :func:`folder_items`' order, the order
+    and labels of torchvision's ``ImageFolder``; an image that cannot be used is ``None``.
+
+    Args:
+        root: the folder, one sub-folder per class.
+        transform: PIL image -> tensor.
+        max_pixels: an image whose header claims more pixels (width x height) is not decoded.
+    """
+
+    def __init__(self, root: str, transform: Callable, max_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+        self.root, self.transform, self.max_pixels = root, transform, max_pixels
+        self.items = [(path, label) for path, _, label in folder_items(root)[0]]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> Optional[tuple[Any, int]]:
+        path, label = self.items[index]
+        try:
+            image = open_image(Path(path).read_bytes(), max_pixels=self.max_pixels)
+        except BadSample as exn:
+            reason = str(exn)
+        except Exception as exn:  # OSError from the file system; PIL's OSError, SyntaxError... on bad data
+            reason = f"unreadable ({type(exn).__name__}: {exn})"
+        else:
+            return self.transform(image), label
+        log.warning(f"labelled set: skipped image {os.path.relpath(path, self.root)!r} in {self.root}: {reason}")
+        return None

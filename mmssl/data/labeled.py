@@ -21,6 +21,11 @@ folders with ``cls``, and class folders.
    labels follow the sorted folder names, and class names come from ``classnames.txt`` when
    present, else from the folder names.
 
+``classnames.txt`` holds one name per line, in label order: a blank line among the names or a name
+given twice is refused, naming the file and line (either would shift or merge every later class).
+A sample whose ``cls`` is not a non-negative int64 (:func:`~mmssl.data.decode.parse_label`), or
+whose image header claims more than ``max_image_pixels``, is a bad sample.
+
 Each rank reads its own part (shards ``rank::world`` or images ``rank::world``); the callbacks
 gather or reduce the results, so nothing is counted twice, and unreadable samples are skipped and
 counted, never dropped silently.
@@ -37,11 +42,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import webdataset as wds
 from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES as _OPENAI_TEMPLATE_FNS
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
-from torchvision.datasets import ImageFolder
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torchvision.datasets.folder import find_classes
 
-from mmssl.data.decode import BadSample, open_image
-from mmssl.data.folders import is_class_folder
+from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadSample, open_image, parse_label
+from mmssl.data.folders import LabeledFolder, is_class_folder
 from mmssl.data.sources import expand_urls, is_local, shard_sizes
 
 log = logging.getLogger("mmssl.data")
@@ -153,22 +158,57 @@ def read_classnames(data: str, path: Optional[str] = None) -> list[str]:
     Returns:
         One name per class. An image folder without ``classnames.txt`` names its classes after
         its sorted sub-folders (``_`` read as a space).
+
+    Raises:
+        ValueError: the file is empty, not UTF-8, or has a blank line among the names or a name
+            twice (file and line named).
     """
-    if path is None and is_image_folder(data):
+    folder_classes = find_classes(data)[0] if path is None and is_image_folder(data) else None
+    if folder_classes is not None:
         path = os.path.join(data, CLASSNAMES_FILE)
         if not os.path.isfile(path):
-            return [c.replace("_", " ") for c in ImageFolder.find_classes(data)[0]]
+            return [c.replace("_", " ") for c in folder_classes]
     elif path is None:
         path, tried = _find_meta(data, CLASSNAMES_FILE)
         if path is None:
             raise FileNotFoundError(f"labelled set {data!r} has no {CLASSNAMES_FILE} (looked for {' and '.join(map(repr, tried))})")
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"no class-names file at {path!r}")
-    with open(path, encoding="utf-8") as f:
-        names = [line.strip() for line in f if line.strip()]
-    if not names:
-        raise ValueError(f"{path} lists no class names")
+    try:
+        with open(path, encoding="utf-8") as f:
+            names = [line.strip() for line in f]
+    except UnicodeDecodeError as exn:
+        raise ValueError(f"{path} is not UTF-8 ({exn.reason} at byte {exn.start})") from None
+    while names and not names[-1]:
+        names.pop()  # blank lines at the end (a final newline) shift nothing
+    problem = classnames_problem(names)
+    if problem is not None:
+        raise ValueError(f"{path}, line {problem[0] + 1}: {problem[1]}")
+    if folder_classes is not None and len(names) != len(folder_classes):
+        raise ValueError(f"{path} lists {len(names)} class names for the {len(folder_classes)} class folders "
+                         f"of {data!r} (label i is the i-th folder in sorted order)")
     return names
+
+
+def classnames_problem(names: Sequence[str]) -> Optional[tuple[int, str]]:
+    """The first reason ``names`` cannot be a class list (label ``i`` is ``names[i]``), or ``None``.
+
+    Returns:
+        ``(index, reason)``: no names, an empty name (a blank line: every later label would name
+        the next class), a line break inside a name, or a name given twice.
+    """
+    if not names:
+        return 0, "no class names"
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if not name.strip():
+            return i, "blank line among the class names (every later class would shift by one); remove it"
+        if "\n" in name or "\r" in name:
+            return i, f"class name {name!r} holds a line break"
+        if name in first:
+            return i, f"class name {name!r} repeats line {first[name] + 1}; each class needs its own name"
+        first[name] = i
+    return None
 
 
 def read_templates(data: str, path: Optional[str] = None) -> list[str]:
@@ -222,7 +262,7 @@ def write_clip_benchmark_files(
     Raises:
         FileNotFoundError: no ``0.tar`` in the split.
         ValueError: other ``*.tar`` files beside ``0.tar .. N-1.tar`` (clip_benchmark would skip
-            them), or a template without ``{c}``.
+            them), class names that :func:`read_classnames` would refuse, or a template without ``{c}``.
     """
     folder = os.path.join(root, split)
     n = 0
@@ -236,6 +276,9 @@ def write_clip_benchmark_files(
     with open(os.path.join(folder, NSHARDS_FILE), "w", encoding="utf-8") as f:
         f.write(f"{n}\n")
     if classnames is not None:
+        problem = classnames_problem(classnames)
+        if problem is not None:
+            raise ValueError(f"class name {problem[0]} of {len(classnames)}: {problem[1]}")
         with open(os.path.join(root, CLASSNAMES_FILE), "w", encoding="utf-8") as f:
             f.write("\n".join(classnames) + "\n")
     if templates is not None:
@@ -247,17 +290,20 @@ def write_clip_benchmark_files(
     return n
 
 
-def _decode_labeled(sample: dict, transform: Callable, image_keys: Sequence[str]) -> tuple[Any, int]:
+def _decode_labeled(sample: dict, transform: Callable, image_keys: Sequence[str],
+                    max_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[Any, int]:
     """Raw webdataset sample -> (transformed image, label); :class:`BadSample` says what is wrong."""
     key = next((k for k in image_keys if k in sample), None)
     if key is None or "cls" not in sample:
         raise BadSample(f"no image ({', '.join(image_keys)}) or no cls")
     try:
-        label = int(sample["cls"].decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        raise BadSample(f"cls is not an integer: {sample['cls'][:20]!r}") from None
+        label = parse_label(sample["cls"], name="cls")
+    except ValueError as exn:
+        raise BadSample(str(exn)) from None
     try:
-        image = open_image(sample[key])
+        image = open_image(sample[key], max_pixels=max_pixels)
+    except BadSample as exn:
+        raise BadSample(f"{key}: {exn}") from None
     except Exception as exn:  # PIL raises OSError, SyntaxError, ValueError... on bad data
         raise BadSample(f"unreadable {key} ({type(exn).__name__}: {exn})") from None
     return transform(image), label
@@ -280,12 +326,15 @@ class LabeledShards(IterableDataset):
         transform: PIL image -> tensor.
         image_keys: extensions holding the image.
         batch_size: samples per batch.
+        max_pixels: largest image decoded (width x height from its header); larger ones are bad.
     """
 
     def __init__(self, urls: Sequence[str], shards: Sequence[int], take: Optional[Sequence[int]],
-                 transform: Callable, image_keys: Sequence[str], batch_size: int) -> None:
+                 transform: Callable, image_keys: Sequence[str], batch_size: int,
+                 max_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS) -> None:
         self.urls, self.shards, self.take = list(urls), list(shards), take
         self.transform, self.image_keys, self.batch_size = transform, list(image_keys), batch_size
+        self.max_pixels = max_pixels
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -304,7 +353,7 @@ class LabeledShards(IterableDataset):
             samples = wds.tarfile_samples([{"url": url}], handler=functools.partial(failed, url))
             for offset, sample in enumerate(itertools.islice(samples, limit)):
                 try:
-                    image, label = _decode_labeled(sample, self.transform, self.image_keys)
+                    image, label = _decode_labeled(sample, self.transform, self.image_keys, self.max_pixels)
                 except BadSample as exn:
                     skipped += 1
                     log.warning(f"labelled set: skipped sample {sample.get('__key__')!r} in {url}: {exn}")
@@ -324,22 +373,23 @@ def _labeled_batch(rows: list[tuple[Any, int, int]], skipped: int) -> dict[str, 
 
 
 def _collate_folder(batch: list) -> dict:
-    images, labels, index = default_collate(batch)
-    return {"image": images, "label": labels, "index": index, "skipped": 0}
+    """Rows of :class:`_Indexed` into a batch; a bad image's ``None`` row is counted as skipped."""
+    rows = [row for row in batch if row is not None]
+    return _labeled_batch(rows, len(batch) - len(rows))
 
 
 class _Indexed(Dataset):
     """An image folder's samples with their index in the whole folder (the canonical order)."""
 
-    def __init__(self, dataset: ImageFolder, indices: range) -> None:
+    def __init__(self, dataset: LabeledFolder, indices: range) -> None:
         self.dataset, self.indices = dataset, indices
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, i: int) -> tuple[Any, int, int]:
-        image, label = self.dataset[self.indices[i]]
-        return image, label, self.indices[i]
+    def __getitem__(self, i: int) -> Optional[tuple[Any, int, int]]:
+        item = self.dataset[self.indices[i]]
+        return None if item is None else (*item, self.indices[i])
 
 
 def first_samples(sizes: Sequence[int], limit: Optional[int]) -> Optional[list[int]]:
@@ -362,6 +412,7 @@ def labeled_loader(
     world_size: int = 1,
     image_key: str = "jpg;jpeg;png;webp",
     limit: Optional[int] = None,
+    max_image_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> DataLoader:
     """Batches of this rank's part of a labelled set.
 
@@ -381,6 +432,7 @@ def labeled_loader(
         image_key: ``;``-separated image extensions (shards only).
         limit: read only the first ``limit`` samples of the whole set (in shard order, sizes
             from ``sizes.json`` or counted), so the subset is the same on any number of ranks.
+        max_image_pixels: an image whose header claims more pixels is skipped, never decoded.
 
     Returns:
         A finite, unshuffled loader.
@@ -388,7 +440,7 @@ def labeled_loader(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
     if is_image_folder(data):
-        dataset = ImageFolder(data, transform=transform)
+        dataset = LabeledFolder(data, transform, max_image_pixels)
         indices = range(rank, min(len(dataset), limit or len(dataset)), world_size)
         return DataLoader(_Indexed(dataset, indices), batch_size=batch_size, num_workers=num_workers,
                           collate_fn=_collate_folder)
@@ -405,6 +457,6 @@ def labeled_loader(
     # Explicit shard split (not wds.split_by_node): the offline tools have no process group, and
     # rank/world come from the trainer, so the split is the same whatever launched the job.
     mine = [i for i in range(rank, len(urls), world_size) if take is None or take[i] > 0]
-    dataset = LabeledShards(urls, mine, take, transform, image_key.split(";"), batch_size)
+    dataset = LabeledShards(urls, mine, take, transform, image_key.split(";"), batch_size, max_image_pixels)
     # A rank with no shard gets an empty loader; workers would only warn about it.
     return DataLoader(dataset, batch_size=None, num_workers=min(num_workers, len(mine)))

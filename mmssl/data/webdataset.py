@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from mmssl.data.decode import SampleDecoder, draft_size, trim_text_padding
+from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS, SampleDecoder, draft_size, trim_text_padding
 from mmssl.data.demo import demo_data
 from mmssl.data.pipeline import META_KEYS, ShardStream, StreamSpec, plan_stream
 from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources, shard_sizes
@@ -108,6 +108,12 @@ class ImageTextDataModule(pl.LightningDataModule):
             the transfer, on the device (a quarter of the bytes through shared memory, pinned
             memory and the host-to-device copy). ``None`` (default): on when the trainer's device
             is not the CPU. The timm chain (``train_augment``) and validation normalise per sample.
+        num_classes: labels must lie in ``[0, num_classes)``, else the sample is bad (skipped,
+            counted, named); linked from the model by ``mmssl fit`` (a classifier's classes).
+            ``None``: any label in int64 >= 0.
+        max_image_pixels: an image whose header says more pixels (width x height) is a bad
+            sample, never decoded (default: PIL's decompression-bomb threshold, 89.5 Mpx);
+            ``None``: no limit of mmssl's.
     """
 
     def __init__(
@@ -136,6 +142,8 @@ class ImageTextDataModule(pl.LightningDataModule):
         demo_dir: Optional[str] = None,
         trim_text_padding: bool = False,
         normalize_on_device: Optional[bool] = None,
+        num_classes: Optional[int] = None,
+        max_image_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -144,6 +152,11 @@ class ImageTextDataModule(pl.LightningDataModule):
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
         if not 0.0 <= max_bad_fraction <= 1.0:
             raise ValueError(f"data.max_bad_fraction must be in [0, 1], got {max_bad_fraction}")
+        if num_classes is not None and num_classes < 1:
+            raise ValueError(f"data.num_classes must be >= 1 or null, got {num_classes}")
+        if max_image_pixels is not None and max_image_pixels < 1:
+            raise ValueError(f"data.max_image_pixels must be >= 1 or null, got {max_image_pixels}")
+        self.num_classes, self.max_image_pixels = num_classes, max_image_pixels
         self.train_data, self.val_data = train_data, val_data
         self.batch_size, self.num_workers = batch_size, num_workers
         self.resampled, self.train_num_samples = resampled, train_num_samples
@@ -226,7 +239,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         side = self.image_size if train else math.ceil(self.image_size / (self.eval_crop_pct or 1.0))
         min_size = draft_size(side, self.crop_scale[0] if train else 1.0) if self.reduced_decode else None
         return SampleDecoder(transform, self.tokenizer, self.image_key.split(";"), self.text_key,
-                             self.label_key, min_size, batch_transform)
+                             self.label_key, min_size, batch_transform, self.num_classes, self.max_image_pixels)
 
     def build_stream(self, data: DataSpec, train: bool, rank: int = 0, world_size: int = 1) -> ShardStream:
         """The dataset of one rank (tests pass ``rank``/``world_size`` to simulate ranks).

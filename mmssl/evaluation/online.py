@@ -14,7 +14,6 @@ from typing import Callable, Optional
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torchvision.datasets import ImageFolder
 
 from mmssl.data.labeled import is_image_folder, labeled_loader, read_classnames, shard_urls
 from mmssl.data.sources import is_local, shard_sizes
@@ -66,13 +65,11 @@ def check_labelled_set(data: str, who: str, key: str, need_classnames: bool = Fa
             split, shard folder or pattern, image folder).
         who: the callback, for the message.
         key: the config key that set ``data``.
-        need_classnames: the set must have ``classnames.txt`` (zero-shot).
+        need_classnames: the set must have ``classnames.txt`` (zero-shot); without it, a
+            ``classnames.txt`` that is there is still checked (the probes count classes with it).
     """
     where = f"{who}: {key}={data!r}"
-    if is_image_folder(data):
-        if not ImageFolder.find_classes(data)[0]:
-            raise ValueError(f"{where} holds no class folders")
-    else:
+    if not is_image_folder(data):  # an image folder has a class sub-folder holding images
         try:  # a clip_benchmark folder without the split, or with a bad nshards.txt
             urls = shard_urls(data)
         except (FileNotFoundError, ValueError) as err:
@@ -83,11 +80,13 @@ def check_labelled_set(data: str, who: str, key: str, need_classnames: bool = Fa
         sizes = shard_sizes(urls, scan=False)
         if sizes is not None and sum(sizes) == 0:
             raise ValueError(f"{where}: its sizes.json lists no samples")
-    if need_classnames:
-        try:
-            read_classnames(data)
-        except (FileNotFoundError, ValueError) as err:
-            raise type(err)(f"{where}: {err}") from err
+    try:
+        read_classnames(data)
+    except FileNotFoundError as err:
+        if need_classnames:
+            raise FileNotFoundError(f"{where}: {err}") from err
+    except ValueError as err:  # a blank line or a repeated name (line named), an empty file
+        raise ValueError(f"{where}: {err}") from err
 
 
 def check_labels(labels: Tensor, num_classes: int, data: str, who: str, reduce: Callable[[Tensor], Tensor]) -> None:
