@@ -89,3 +89,34 @@ def test_bad_settings_fail_early():
         LinearProbe(method="svm")
     with pytest.raises(ValueError, match="k >= 1"):
         KNNProbe(k=0)
+
+
+def test_probes_and_zero_shot_on_image_folders_log_their_figures_in_fit(tiny_demo, tiny_clip_json, tmp_path):
+    """Labelled image folders (no classnames.txt: the folder names) in every evaluation callback,
+    during ``fit`` with validation on. Before: each callback's setup died on
+    ``ImageFolder.find_classes(data)`` called on the class."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tests.data.image_helpers import write_image_folder
+
+    folder = str(write_image_folder(tmp_path / "folder", ["cat", "dog", "red_fox"], 4))
+    model = CLIP(tiny_clip_json, warmup_steps=1)
+    data = ImageTextDataModule(
+        train_data=tiny_demo.train, val_data=tiny_demo.val, batch_size=16, num_workers=0,
+        train_num_samples=16, image_size=32, tokenizer=model.tokenizer,
+    )
+    kw = {"train_data": folder, "val_data": folder, "batch_size": 8}
+    callbacks = [LinearProbe(**kw), KNNProbe(k=3, **kw), ZeroShot(data=folder, batch_size=8)]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, precision="32-true", logger=CSVLogger(str(tmp_path), name=""),
+        enable_checkpointing=False, callbacks=callbacks, max_epochs=1, limit_val_batches=1, num_sanity_val_steps=0,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+    )
+    trainer.fit(model, datamodule=data)
+    with open(next(tmp_path.glob("version_*/metrics.csv")), newline="") as f:
+        rows = list(csv.DictReader(f))
+    for key in ("probe/linear_top1", "probe/knn_top1", "val/zero_shot_top1"):
+        values = [float(r[key]) for r in rows if r.get(key)]  # what the logger wrote, not the callback's return
+        assert len(values) == 1 and 0.0 <= values[0] <= 1.0, key

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from image_helpers import DecodeSpy, huge_png, write_image_folder
 from shard_helpers import image_bytes, sample_members, write_dataset, write_tar
 
 from mmssl.data.labeled import is_image_folder, labeled_loader, read_classnames, read_templates
@@ -140,3 +141,76 @@ def test_write_clip_benchmark_files_refuses_what_clip_benchmark_would_not_read(t
     (tmp_path / "test" / "00001.tar").unlink()
     with pytest.raises(ValueError, match="placeholder"):
         write_clip_benchmark_files(str(tmp_path), "test", ["a"], ["no class here"])
+
+
+# ---- labels, class names, image folders -----------------------------------------------------------
+
+
+def test_bad_cls_in_a_labelled_set_is_skipped_counted_and_named(tmp_path, caplog):
+    # Before: 99999999999999999999999 crashed batch stacking ("Overflow when unpacking long long").
+    members = sample_members(0)
+    for i, cls in ((1, b"99999999999999999999999"), (2, b"-2"), (3, b"two")):
+        members += [m for m in sample_members(i) if not m[0].endswith(".cls")] + [(f"s{i:05d}.cls", cls)]
+    write_tar(tmp_path / "00000.tar", members + sample_members(4))
+    with caplog.at_level("WARNING", logger="mmssl.data"):
+        labels, _, skipped, _ = _read(tmp_path)
+    assert labels == [0, 4] and skipped == 3
+    lines = [r.getMessage() for r in caplog.records]
+    for key, reason in (("s00001", "cls overflows int64"), ("s00002", "cls is negative: -2"),
+                        ("s00003", "cls is not an integer: b'two'")):
+        assert any(f"'{key}'" in line and "00000.tar" in line and reason in line for line in lines), key
+
+
+@pytest.mark.parametrize("text,line,reason", [
+    ("cat\n\ndog\n", 2, "blank line among the class names"),
+    ("cat\n  \ndog\n", 2, "blank line"),
+    ("\ncat\ndog\n", 1, "blank line"),
+    ("cat\ndog\ncat\n", 3, "'cat' repeats line 1"),
+    ("\n\n", 1, "no class names"),
+])
+def test_classnames_with_a_blank_line_or_a_repeat_are_refused_at_start_up(tmp_path, text, line, reason):
+    # Before: blank lines were dropped (every later class shifted by one) and repeats accepted.
+    write_dataset(tmp_path, [2])
+    (tmp_path / "classnames.txt").write_text(text)
+    where = rf"{tmp_path / 'classnames.txt'}, line {line}: .*{reason}"
+    with pytest.raises(ValueError, match=where):
+        read_classnames(str(tmp_path))
+    for need in (True, False):  # the probes' start-up check reads a file that is there too
+        with pytest.raises(ValueError, match=rf"LinearProbe: val_data=.*{where}"):
+            check_labelled_set(str(tmp_path), "LinearProbe", "val_data", need_classnames=need)
+    (tmp_path / "classnames.txt").write_text("cat\ndog\n\n\n")  # blank lines at the end shift nothing
+    assert read_classnames(str(tmp_path)) == ["cat", "dog"]
+
+
+def test_a_labelled_image_folder_reads_with_folder_names_and_skips_bad_images(tmp_path, caplog, monkeypatch):
+    # Before: every read of an image folder's classes died on ImageFolder.find_classes(data).
+    root = write_image_folder(tmp_path / "set", ["cat", "red_fox"], 3)
+    (root / "cat" / "001.png").write_bytes(b"not a png")
+    (root / "red_fox" / "big.png").write_bytes(huge_png(13000))
+    assert read_classnames(str(root)) == ["cat", "red fox"]
+    check_labelled_set(str(root), "ZeroShot", "data", need_classnames=True)
+    spy = DecodeSpy(monkeypatch)
+    with caplog.at_level("WARNING", logger="mmssl.data"):
+        labels, index, skipped, _ = _read(root, batch_size=4)
+    # torchvision's order (big.png sorts after 002.png); the bad images counted, not read.
+    assert labels == [0, 0, 1, 1, 1] and index == [0, 2, 3, 4, 5] and skipped == 2
+    assert spy.largest() <= 64
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("cat/001.png" in line and "unreadable" in line for line in lines)
+    assert any("red_fox/big.png" in line and "13000x13000" in line and "max_image_pixels" in line for line in lines)
+    parts = [_read(root, rank, 2, batch_size=4) for rank in range(2)]
+    assert sorted(parts[0][1] + parts[1][1]) == index and parts[0][2] + parts[1][2] == 2
+    (root / "classnames.txt").write_text("cat\n")  # one name for two class folders
+    with pytest.raises(ValueError, match=r"classnames.txt lists 1 class names for the 2 class folders"):
+        check_labelled_set(str(root), "ZeroShot", "data", need_classnames=True)
+
+
+def test_class_names_written_for_clip_benchmark_are_checked_as_read(tmp_path):
+    from mmssl.data.labeled import write_clip_benchmark_files
+
+    (tmp_path / "test").mkdir()
+    write_tar(tmp_path / "test" / "0.tar", sample_members(0))
+    for names, reason in ((["cat", "dog", "cat"], "class name 2 of 3: .*'cat' repeats line 1"), (["cat", ""], "blank")):
+        with pytest.raises(ValueError, match=reason):
+            write_clip_benchmark_files(str(tmp_path), "test", names)
+    assert not (tmp_path / "classnames.txt").exists()
