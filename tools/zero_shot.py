@@ -3,8 +3,11 @@
     python tools/zero_shot.py --ckpt runs/demo_clip/version_0/checkpoints/last.ckpt \
         --data ~/.cache/mmssl/demo/val --output-json results.json
 
-The set is a clip_benchmark ``wds/`` folder (``DIR/{split}``, or ``DIR`` for its ``test`` split),
-a folder or pattern of shards with ``cls``, or class folders, with ``classnames.txt``; prompts come
+The set is a clip_benchmark ``wds/`` folder (``DIR/{split}``, or ``DIR`` for its ``test`` split)
+or a folder or pattern of shards with ``cls``, with ``classnames.txt`` (one name per line, in label
+order; a blank line or a repeated name is refused), or class folders (named after their sorted
+folders when there is no ``classnames.txt``). Samples with a bad ``cls`` or an image above
+``max_image_pixels`` are skipped, named and counted (``skipped``). Prompts come
 from ``zeroshot_classification_templates.txt`` (beside the shards, else at the clip_benchmark
 root), ``--templates``, or CLIP's 80 ImageNet templates. ``--ckpt`` takes an mmssl CLIP Lightning checkpoint or an open_clip state dict with
 ``--model NAME-or-json``; an image-only model (MAE, a fine-tuned ImageClassifier) is refused.

@@ -12,6 +12,7 @@ import io
 import math
 import random
 import re
+import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 from PIL import Image
@@ -91,7 +92,10 @@ def open_image(data: bytes, min_size: Optional[int] = None,
     Raises:
         BadSample: the header's size is above ``max_pixels`` (nothing was decoded).
     """
-    image = Image.open(io.BytesIO(data))
+    with warnings.catch_warnings():
+        if max_pixels is not None:  # the limit below decides, and names the sample; PIL's warning would not
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        image = Image.open(io.BytesIO(data))
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:
         raise BadSample(f"{width}x{height} image ({width * height} pixels) is above max_image_pixels={max_pixels}: "

@@ -278,7 +278,7 @@ def write_clip_benchmark_files(
     if classnames is not None:
         problem = classnames_problem(classnames)
         if problem is not None:
-            raise ValueError(f"class name {problem[0]} of {len(classnames)}: {problem[1]}")
+            raise ValueError(f"classnames[{problem[0]}]: {problem[1]}")
         with open(os.path.join(root, CLASSNAMES_FILE), "w", encoding="utf-8") as f:
             f.write("\n".join(classnames) + "\n")
     if templates is not None:

@@ -210,7 +210,7 @@ def test_class_names_written_for_clip_benchmark_are_checked_as_read(tmp_path):
 
     (tmp_path / "test").mkdir()
     write_tar(tmp_path / "test" / "0.tar", sample_members(0))
-    for names, reason in ((["cat", "dog", "cat"], "class name 2 of 3: .*'cat' repeats line 1"), (["cat", ""], "blank")):
+    for names, reason in ((["cat", "dog", "cat"], r"classnames\[2\]: .*'cat' repeats line 1"), (["cat", ""], "blank")):
         with pytest.raises(ValueError, match=reason):
             write_clip_benchmark_files(str(tmp_path), "test", names)
     assert not (tmp_path / "classnames.txt").exists()
