@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from mmssl.data.folders import folder_items
 from mmssl.data.labeled import is_image_folder, labeled_loader, read_classnames, shard_urls
 from mmssl.data.sources import is_local, shard_sizes
 from mmssl.data.transforms import eval_transform
@@ -89,8 +90,12 @@ def check_labelled_set(data: str, who: str, key: str, need_classnames: bool = Fa
         raise ValueError(f"{where}: {err}") from err
 
 
-def check_labels(labels: Tensor, num_classes: int, data: str, who: str, reduce: Callable[[Tensor], Tensor]) -> None:
+def check_labels(labels: Tensor, num_classes: int, data: str, who: str, reduce: Callable[[Tensor], Tensor],
+                 index: Optional[Tensor] = None) -> None:
     """Raise on every rank when any rank holds a label outside ``[0, num_classes)``.
+
+    A label list that does not cover the labels makes every figure wrong, so an evaluation set
+    stops here rather than skipping such samples (the training stream skips them as bad).
 
     Args:
         labels: this rank's labels.
@@ -98,11 +103,24 @@ def check_labels(labels: Tensor, num_classes: int, data: str, who: str, reduce: 
         data: the labelled set, for the message.
         who: the callback.
         reduce: sum over ranks (``lambda t: all_gather(t).sum(0)``); every rank must call this.
+        index: the samples' places in the set (``labeled_loader``), to name the first bad one.
     """
-    bad = int(reduce(((labels < 0) | (labels >= num_classes)).sum()))  # summed over ranks
+    outside = (labels < 0) | (labels >= num_classes)
+    bad = int(reduce(outside.sum()))  # summed over ranks
     if bad:
+        first = ""
+        if index is not None and len(index) == len(labels) and bool(outside.any()):
+            i = int(outside.nonzero()[0])
+            first = f"; e.g. label {int(labels[i])} of {sample_name(data, int(index[i]))}"
         raise ValueError(f"{who}: labelled set {data!r} has {bad} labels outside [0, {num_classes}) "
-                         f"({num_classes} classes in its classnames.txt or labels); check its cls values")
+                         f"({num_classes} classes in its classnames.txt or labels){first}; check its cls values")
+
+
+def sample_name(data: str, index: int) -> str:
+    """Where sample ``index`` (its place in the set, as ``labeled_loader`` numbers it) lies."""
+    if is_image_folder(data):
+        return repr(folder_items(data)[0][index][0])
+    return f"sample {index & 0xFFFFFFFF} of shard {shard_urls(data)[index >> 32]}"
 
 
 def num_classes_of(train: str, val: str, labels: torch.Tensor) -> int:
@@ -183,8 +201,8 @@ def probe_features(trainer: pl.Trainer, pl_module: pl.LightningModule, spec: Pro
 
     val_skipped = int(reduce(torch.tensor(val.skipped)))
     num_classes = num_classes_of(spec.train_data, spec.val_data, train.labels)
-    check_labels(train.labels, num_classes, spec.train_data, "probe", lambda t: t)  # gathered: same everywhere
-    check_labels(val.labels, num_classes, spec.val_data, "probe", reduce)
+    check_labels(train.labels, num_classes, spec.train_data, "probe", lambda t: t, train.index)  # gathered: same everywhere
+    check_labels(val.labels, num_classes, spec.val_data, "probe", reduce, val.index)
     result = ProbeFeatures(train, val, num_classes, train.skipped + val_skipped)
     _cache[key + (spec,)] = result
     return result

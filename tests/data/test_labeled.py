@@ -214,3 +214,19 @@ def test_class_names_written_for_clip_benchmark_are_checked_as_read(tmp_path):
         with pytest.raises(ValueError, match=reason):
             write_clip_benchmark_files(str(tmp_path), "test", names)
     assert not (tmp_path / "classnames.txt").exists()
+
+
+def test_an_evaluation_label_beyond_classnames_stops_naming_the_sample(tmp_path):
+    """An evaluation set whose labels its class list does not cover is refused (its figures would
+    all be wrong), naming the first such sample's shard or image."""
+    from mmssl.evaluation.online import check_labels
+
+    write_tar(tmp_path / "00000.tar", sample_members(0, label=0) + sample_members(1, label=1))
+    write_tar(tmp_path / "00001.tar", sample_members(2, label=1) + sample_members(3, label=2))
+    labels, index, _, _ = _read(tmp_path)
+    with pytest.raises(ValueError, match=r"1 labels outside \[0, 2\).*label 2 of sample 1 of shard .*00001.tar"):
+        check_labels(torch.tensor(labels), 2, str(tmp_path), "probe", lambda t: t, torch.tensor(index))
+    folder = write_image_folder(tmp_path / "folder", ["a", "b", "c"], 2)
+    labels, index, _, _ = _read(folder)
+    with pytest.raises(ValueError, match=r"2 labels outside \[0, 2\).*label 2 of '.*c/000.png'"):
+        check_labels(torch.tensor(labels), 2, str(folder), "probe", lambda t: t, torch.tensor(index))

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 from image_helpers import DecodeSpy, huge_png, jpeg_claiming
+from PIL import Image
 from shard_helpers import count_tokenizer, sample_members, write_tar
 
 from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadSample, open_image, parse_label
@@ -74,7 +75,7 @@ def test_bad_labels_are_skipped_counted_and_named_in_training_and_validation(tmp
         _module(num_classes=0)
 
 
-def test_huge_images_are_bad_samples_measured_from_the_header_never_decoded(tmp_path, caplog, monkeypatch):
+def test_huge_images_are_bad_samples_measured_from_the_header_never_decoded(tmp_path, caplog, monkeypatch, recwarn):
     # Before: a 13000x13000 PNG decoded (169 Mpx, +500 MB as RGB) and a JPEG whose header claims
     # 12000x12000 was allocated before its missing data was found.
     png, jpeg = huge_png(13000), jpeg_claiming(12000, 12000)
@@ -89,6 +90,7 @@ def test_huge_images_are_bad_samples_measured_from_the_header_never_decoded(tmp_
         batches = list(module.val_dataloader())
     assert sum(b["image"].shape[0] for b in batches) == 2 and sum(int(b["__skipped__"]) for b in batches) == 2
     assert spy.sizes and spy.largest() <= 64  # only the 8x8 good images were decoded
+    assert not [w for w in recwarn if issubclass(w.category, Image.DecompressionBombWarning)]  # our line instead
     lines = [r.getMessage() for r in caplog.records]
     for key, size in (("big", "13000x13000"), ("claims", "12000x12000")):
         assert any(f"'{key}'" in line and "00000.tar" in line and size in line and "max_image_pixels=89478485" in line
@@ -98,6 +100,7 @@ def test_huge_images_are_bad_samples_measured_from_the_header_never_decoded(tmp_
         open_image(sample_members(0)[0][1], max_pixels=63)
     with pytest.raises(ValueError, match="data.max_image_pixels must be >= 1"):
         _module(max_image_pixels=0)
+    assert _module(max_image_pixels=None)._decoder(train=False).max_pixels is None  # null: no limit of mmssl's
 
 
 def test_a_classifier_fine_tune_skips_labels_beyond_its_classes_naming_them(tmp_path, caplog):
