@@ -16,6 +16,8 @@ Add a format by adding an entry.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from typing import Callable
 
 import torch
@@ -160,32 +162,140 @@ def load_lightning_state_dict_keys(path: str) -> list[str]:
     return list(checkpoint["state_dict"])
 
 
-def export_checkpoint(ckpt: str, format: str, output: str) -> StateDict:
+# The files the folder formats write (timm's save_for_hf; open_clip's hub files; transformers'
+# CLIPModel, processor and tokenizer). ``--overwrite`` replaces a folder holding only these, so
+# that it never deletes a file an export did not write.
+EXPORT_FILE_NAMES = frozenset({
+    "config.json", "model.safetensors", "open_clip_config.json", "open_clip_model.safetensors",
+    "preprocessor_config.json", "processor_config.json", "tokenizer_config.json", "special_tokens_map.json",
+    "vocab.json", "merges.txt", "tokenizer.json", "generation_config.json", "chat_template.jinja", "README.md",
+})
+
+
+def check_output(output: str, folder: bool, overwrite: bool = False) -> None:
+    """Refuse an export destination before anything is read or written.
+
+    Args:
+        output: the file or folder to write.
+        folder: the format writes a folder (else one state-dict file).
+        overwrite: replace an existing file, or a folder holding only :data:`EXPORT_FILE_NAMES`.
+
+    Raises:
+        FileExistsError: ``output`` exists (a file, or a non-empty folder) and ``overwrite`` is off,
+            or it holds files no export writes.
+        IsADirectoryError / NotADirectoryError: a folder where a file goes, or the other way round.
+    """
+    parent = os.path.dirname(os.path.abspath(output))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(f"--output {output!r}: {parent!r} is a file, not a folder")
+    if not folder:
+        if os.path.isdir(output) or output.endswith(("/", os.sep)):
+            raise IsADirectoryError(f"--output {output!r} is a folder; this format writes one state-dict file "
+                                    "(name a .pth or .safetensors file)")
+        if os.path.lexists(output) and not overwrite:
+            raise FileExistsError(f"--output {output!r} exists: pass --overwrite to replace it")
+        return
+    if os.path.lexists(output) and not os.path.isdir(output):
+        raise NotADirectoryError(f"--output {output!r} is a file; this format writes a folder")
+    entries = sorted(os.listdir(output)) if os.path.isdir(output) else []
+    if not entries:
+        return
+    if not overwrite:
+        raise FileExistsError(f"--output {output!r} is a folder that is not empty ({', '.join(entries[:5])}"
+                              f"{' ...' if len(entries) > 5 else ''}): name a new or empty folder, or pass --overwrite")
+    foreign = [e for e in entries if e not in EXPORT_FILE_NAMES or not os.path.isfile(os.path.join(output, e))]
+    if foreign:
+        raise FileExistsError(f"--output {output!r} holds {foreign[:5]}, which no export writes: --overwrite "
+                              "replaces only a folder of an earlier export; name a new or empty folder")
+
+
+def _umask_mode(path: str, folder: bool) -> None:
+    """Give a temporary file or folder (created 0600 / 0700) the mode a plain ``open`` / ``mkdir``
+    would have given it under the process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if folder else 0o666) & ~mask)
+
+
+def save_state_file(state: StateDict, output: str) -> None:
+    """Save a state dict to ``output`` through a temporary file beside it, then ``os.replace``
+    (a failed write leaves an existing file whole). ``.safetensors`` by suffix, else ``torch.save``."""
+    folder = os.path.dirname(os.path.abspath(output))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(output)}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        if output.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file(state, tmp)
+        else:
+            torch.save(state, tmp)
+        _umask_mode(tmp, folder=False)
+        os.replace(tmp, output)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_folder(output: str, write: Callable[[str], StateDict]) -> StateDict:
+    """Run ``write`` into a new folder beside ``output``, then put it in ``output``'s place (an
+    earlier export there, checked by :func:`check_output`, is removed only once the new one is whole).
+
+    Returns:
+        What ``write`` returns.
+    """
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(output))}.", dir=parent)
+    try:
+        state = write(tmp)
+        _umask_mode(tmp, folder=True)
+        if os.path.isdir(output) and os.listdir(output):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.normpath(output))}.old.", dir=parent)
+            os.replace(output, old)  # onto the empty folder just made
+            os.replace(tmp, output)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, output)  # an empty folder at output is replaced
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return state
+
+
+def export_checkpoint(ckpt: str, format: str, output: str, overwrite: bool = False) -> StateDict:
     """Convert ``ckpt`` to ``format`` and save it to ``output``.
+
+    Nothing is written until the destination is checked (:func:`check_output`), and then through a
+    temporary file or folder beside it, so a refused or failed export leaves ``output`` as it was.
 
     Args:
         ckpt: Lightning checkpoint path.
         format: a key of :data:`EXPORTERS` or :data:`FOLDER_EXPORTERS`.
         output: destination; a state-dict format writes ``.safetensors`` for that suffix, else
             ``torch.save``; a folder format writes the folder ``output`` (``timm``: a folder
-            when ``output`` has none of :data:`FILE_SUFFIXES`).
+            when ``output`` has none of :data:`FILE_SUFFIXES` or is a folder already).
+        overwrite: replace an existing file, or a folder of an earlier export.
 
     Returns:
         The exported state dict.
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; choose from {FORMATS}")
-    if format in FOLDER_EXPORTERS and (format not in EXPORTERS or not output.endswith(FILE_SUFFIXES)):
-        if output.endswith(FILE_SUFFIXES) or os.path.isfile(output):
-            raise ValueError(f"--format {format} writes a folder: --output {output!r} names a file")
-        return FOLDER_EXPORTERS[format](load_module(ckpt), output)
+    if not os.path.isfile(ckpt):
+        raise FileNotFoundError(f"--ckpt: no checkpoint file at {ckpt!r}")
+    folder = format in FOLDER_EXPORTERS and (
+        format not in EXPORTERS or os.path.isdir(output) or not output.endswith(FILE_SUFFIXES))
+    if folder and output.endswith(FILE_SUFFIXES) and not os.path.isdir(output):
+        raise ValueError(f"--format {format} writes a folder: --output {output!r} names a file")
+    check_output(output, folder, overwrite)
+    if folder:
+        module = load_module(ckpt)
+        return write_folder(output, lambda tmp: FOLDER_EXPORTERS[format](module, tmp))
     state = EXPORTERS[format](load_lightning_state_dict(ckpt))
     state = {k: v.detach().contiguous().clone() for k, v in state.items()}
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    if output.endswith(".safetensors"):
-        from safetensors.torch import save_file
-
-        save_file(state, output)
-    else:
-        torch.save(state, output)
+    save_state_file(state, output)
     return state

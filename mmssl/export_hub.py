@@ -109,6 +109,20 @@ def timm_vit_name(patch_size: int, embed_dim: int, depth: int, num_heads: int, i
     return "vit_base_patch16_224"
 
 
+def mmssl_pretrained_cfg(model: nn.Module, module: nn.Module, architecture: str, image_size: int,
+                         num_classes: int) -> dict:
+    """The ``pretrained_cfg`` of an exported model: its normalisation and size (for timm's
+    ``resolve_data_config``), tagged as mmssl's. Built afresh rather than from the registered
+    name's cfg, whose tag, hub id and licence describe timm's weights, not these."""
+    return {
+        "architecture": architecture, "tag": "mmssl", "custom_load": False,
+        "description": f"mmssl {type(module).__name__} checkpoint exported with tools/export.py",
+        "input_size": (3, image_size, image_size), "fixed_input_size": True, "interpolation": "bicubic",
+        "crop_pct": 1.0, "crop_mode": "center", "mean": tuple(module.image_mean), "std": tuple(module.image_std),
+        "num_classes": num_classes, "first_conv": "patch_embed.proj", "classifier": "head",
+    }
+
+
 def timm_from_mae(module: nn.Module) -> Optional[TimmExport]:
     """An mmssl ``MAE``'s encoder as a timm ``VisionTransformer`` (``num_classes=0``, token pool)."""
     import timm
@@ -124,10 +138,7 @@ def timm_from_mae(module: nn.Module) -> Optional[TimmExport]:
     name = timm_vit_name(hp["patch_size"], hp["embed_dim"], hp["depth"], hp["num_heads"], hp["image_size"])
     model = timm.create_model(name, pretrained=False, **args)
     model.load_state_dict(to_timm(module.state_dict()), strict=True)
-    # The model's normalisation and size, for timm's data config (resolve_data_config).
-    model.pretrained_cfg = {**model.pretrained_cfg, "mean": tuple(module.image_mean), "std": tuple(module.image_std),
-                            "input_size": (3, hp["image_size"], hp["image_size"]), "crop_pct": 1.0,
-                            "num_classes": 0, "architecture": name}
+    model.pretrained_cfg = mmssl_pretrained_cfg(model, module, name, hp["image_size"], 0)
     return TimmExport(model.eval(), {"architecture": name, **args})
 
 

@@ -38,7 +38,7 @@ from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD  # MAE util/datase
 from mmssl.distributed import seed_per_rank
 from mmssl.export import to_timm
 from mmssl.models._logging import logging_step
-from mmssl.optim import warmup_cosine
+from mmssl.optim import check_warmup, warmup_cosine
 
 StateDict = dict[str, Tensor]
 
@@ -229,6 +229,8 @@ class ImageClassifier(LightningModule):
             raise ValueError(f"model.global_pool must be 'avg' (MAE's default) or 'token', got {global_pool!r}")
         if not 0.0 < layer_decay <= 1.0:
             raise ValueError(f"model.layer_decay must be in (0, 1], got {layer_decay}")
+        check_warmup("model.warmup_epochs", warmup_epochs)
+        check_warmup("model.warmup_steps", warmup_steps)
         self.save_hyperparameters(ignore=["optimizer"])
         self.num_classes, self.image_size = num_classes, image_size
         self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)

@@ -28,7 +28,7 @@ from mmssl.models.vit import (
     sincos_pos_embed_2d,
 )
 from mmssl.models._logging import logging_step
-from mmssl.optim import NDIM_LT_2, param_groups, record_shapes, unmatched_patterns, warmup_cosine
+from mmssl.optim import NDIM_LT_2, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 
 # timm 0.3.2 add_weight_decay, as main_pretrain.py calls it: len(shape) == 1 or name.endswith(".bias").
 MAE_NO_DECAY: tuple[str, ...] = (NDIM_LT_2, "*.bias")
@@ -213,6 +213,7 @@ class MAE(LightningModule):
         # Reject a ratio of 0 too: with nothing masked the loss has no targets.
         if not 0.0 < mask_ratio < 1.0:
             raise ValueError(f"mask_ratio must be in (0, 1), got {mask_ratio}")
+        check_warmup("model.warmup_steps", warmup_steps)
         self.save_hyperparameters(ignore=["optimizer"])
         self.image_size = image_size
         self.image_mean = tuple(image_mean)
