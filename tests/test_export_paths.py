@@ -65,7 +65,7 @@ def test_folder_format_refuses_a_non_empty_folder_and_leaves_it_byte_identical(m
 
 def test_overwrite_replaces_an_earlier_folder_export_whole(mae_ckpt, tmp_path):
     folder = tmp_path / "vit"
-    export("--ckpt", mae_ckpt, "--format", "timm", "--output", folder)
+    export("--ckpt", mae_ckpt, "--format", "timm", "--output", f"{folder}/")  # the trailing slash of the docs
     (folder / "model.safetensors").write_bytes(b"stale")
     export("--ckpt", mae_ckpt, "--format", "timm", "--output", folder, "--overwrite")
     timm.create_model(f"local-dir:{folder}", pretrained=True)  # the new export, whole

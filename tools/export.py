@@ -10,6 +10,13 @@
 an open_clip hub folder (``local-dir:``), ``timm`` with a folder output a timm hub folder
 (``model.safetensors`` + ``config.json``). Nothing is uploaded: ``huggingface-cli upload`` does that.
 
+Which checkpoint exports to which format (``mmssl.checkpoints.layouts.KINDS``; any other pair is
+refused, naming the formats the checkpoint has):
+
+    MAE              timm (file: encoder; folder)
+    ImageClassifier  timm (file or folder, head included)
+    CLIP             open_clip (file), open_clip_hf, hf (folders)
+
 An existing output file, or a folder that is not empty, is refused unless ``--overwrite`` (which
 replaces only a folder holding an earlier export's files); a refused export writes nothing.
 
