@@ -130,6 +130,20 @@ def _check_total(total_steps: float) -> None:
         )
 
 
+def check_warmup(key: str, value: Optional[float]) -> None:
+    """Refuse a negative or non-finite warm-up length (``None``: not set) before training starts.
+
+    Args:
+        key: the config key, named in the error (``model.warmup_steps``).
+        value: the warm-up in steps or epochs.
+
+    Raises:
+        ValueError: ``value`` is below 0, NaN or infinite.
+    """
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{key} must be a number >= 0 (0: no warm-up), got {value}")
+
+
 def warmup_cosine(
     optimizer: torch.optim.Optimizer,
     warmup_steps: int,
@@ -155,6 +169,7 @@ def warmup_cosine(
         The scheduler, to be stepped every optimizer step (``interval: step``).
     """
     _check_total(total_steps)
+    check_warmup("warmup_steps", warmup_steps)
     total_steps = int(total_steps)
     tail = second_phase.steps if second_phase else 0
     first = total_steps - tail

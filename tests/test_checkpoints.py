@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmssl.checkpoints import UnsafeCheckpointError, read_checkpoint, read_state_dict
-from mmssl.evaluation.encoders import load_lightning
+from mmssl.checkpoints.load import load_lightning
 from mmssl.models.mae import MAE
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,6 +13,7 @@ import pytest
 import timm
 import torch
 
+from mmssl.export import EXPORT_FILE_NAMES
 from mmssl.models.clip import CLIP
 from mmssl.models.mae import MAE
 
@@ -72,8 +73,9 @@ def test_hf_clip_model_loads_with_no_missing_keys_and_equal_outputs(clip_ckpt, t
     transformers = pytest.importorskip("transformers")
     model, ckpt = clip_ckpt
     _export("--ckpt", str(ckpt), "--format", "hf", "--output", str(tmp_path / "hf"))
-    assert {"config.json", "model.safetensors", "preprocessor_config.json", "vocab.json", "merges.txt"} <= {
-        p.name for p in (tmp_path / "hf").iterdir()}
+    written = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.json", "model.safetensors", "preprocessor_config.json", "vocab.json", "merges.txt"} <= written
+    assert written <= EXPORT_FILE_NAMES  # what --overwrite may replace
     hf, info = transformers.CLIPModel.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     processor = transformers.CLIPProcessor.from_pretrained(str(tmp_path / "hf"))
@@ -106,7 +108,7 @@ def test_hf_clip_model_loads_with_no_missing_keys_and_equal_outputs(clip_ckpt, t
 
 
 def test_hf_export_refuses_towers_transformers_cannot_hold(tmp_path):
-    from mmssl.export_hf import NotRepresentable
+    from mmssl.export.hf import NotRepresentable
 
     timm_tower = _perturbed(CLIP(str(REPO / "configs/models/clip_micro_timm.json")))
     torch.save({"state_dict": timm_tower.state_dict(), "hyper_parameters": dict(timm_tower.hparams)}, tmp_path / "t.ckpt")
@@ -125,6 +127,7 @@ def test_open_clip_hub_folder_loads_through_local_dir_with_equal_outputs(clip_ck
     folder = tmp_path / "oc"
     _export("--ckpt", str(ckpt), "--format", "open_clip_hf", "--output", str(folder))
     assert {p.name for p in folder.iterdir()} == {"open_clip_config.json", "open_clip_model.safetensors"}
+    assert {p.name for p in folder.iterdir()} <= EXPORT_FILE_NAMES
     theirs, _, preprocess = open_clip.create_model_and_transforms(f"local-dir:{folder}")
     tokenizer = open_clip.get_tokenizer(f"local-dir:{folder}")
     theirs.eval()
@@ -147,7 +150,7 @@ def test_mae_encoder_timm_folder_loads_by_local_dir_and_by_file_overlay(tmp_path
     torch.save({"state_dict": mae.state_dict(), "hyper_parameters": dict(mae.hparams)}, tmp_path / "mae.ckpt")
     folder = tmp_path / "vit"
     _export("--ckpt", str(tmp_path / "mae.ckpt"), "--format", "timm", "--output", str(folder))
-    assert {"config.json", "model.safetensors"} <= {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors"} <= {p.name for p in folder.iterdir()} <= EXPORT_FILE_NAMES
     config = json.loads((folder / "config.json").read_text())
     images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -34,8 +34,31 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def output_names(paths: list[str], suffix: str) -> list[str]:
+    """One output file name per input image: its stem plus ``suffix``, or, where two inputs share
+    a stem (``a/x.jpg``, ``b/x.jpg``), its path relative to the inputs' common folder.
+
+    Raises:
+        ValueError: two inputs would still write one file (``x.jpg`` and ``x.png``), naming both.
+    """
+    stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    if len(set(stems)) == len(stems):
+        return [stem + suffix for stem in stems]
+    absolute = [os.path.abspath(p) for p in paths]
+    common = os.path.commonpath([os.path.dirname(a) for a in absolute])
+    names = [os.path.splitext(os.path.relpath(a, common))[0] + suffix for a in absolute]
+    first: dict[str, str] = {}
+    for path, name in zip(paths, names):
+        if name in first:
+            raise ValueError(f"--images {first[name]!r} and {path!r} would both be written to {name!r}: "
+                             "rename one, or run them separately")
+        first[name] = path
+    return names
+
+
 def main(argv: Optional[list[str]] = None) -> list[str]:
     args = parse_args(argv)
+    names = output_names(args.images, "_attention.png")  # before anything is loaded or written
     model = load_model(args.ckpt, args.model, args.model_kwargs, args.model_class)
     images, views = load_images(args.images, model)
     maps = attention_maps(model, images, args.head_fusion)
@@ -48,8 +71,9 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
                   *(f"head {h} (max {m.max():.2f})" for h, m in enumerate(heads, start=1))]
         figure = overlay_grid(views[i], panels, titles, f"{os.path.basename(path)}: cls attention, "
                               f"{heads.shape[1]}x{heads.shape[2]} patches")
-        stem = os.path.splitext(os.path.basename(path))[0]
-        written.append(save_png(figure, os.path.join(args.output, f"{stem}_attention.png"), args.dpi))
+        out = os.path.join(args.output, names[i])
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        written.append(save_png(figure, out, args.dpi))
         print(written[-1])
     return written
 

@@ -10,6 +10,16 @@
 an open_clip hub folder (``local-dir:``), ``timm`` with a folder output a timm hub folder
 (``model.safetensors`` + ``config.json``). Nothing is uploaded: ``huggingface-cli upload`` does that.
 
+Which checkpoint exports to which format (``mmssl.checkpoints.layouts.KINDS``; any other pair is
+refused, naming the formats the checkpoint has):
+
+    MAE              timm (file: encoder; folder)
+    ImageClassifier  timm (file or folder, head included)
+    CLIP             open_clip (file), open_clip_hf, hf (folders)
+
+An existing output file, or a folder that is not empty, is refused unless ``--overwrite`` (which
+replaces only a folder holding an earlier export's files); a refused export writes nothing.
+
 The checkpoint is read as weights only: a file that pickles anything but tensors and plain data
 is refused (mmssl.checkpoints).
 """
@@ -29,8 +39,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", required=True, choices=FORMATS, help="target library")
     parser.add_argument("--output", required=True,
                         help="output file (.pth / .safetensors: timm, open_clip) or folder (hf, open_clip_hf, timm)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output file, or a folder holding an earlier export")
     args = parser.parse_args(argv)
-    state = export_checkpoint(args.ckpt, args.format, args.output)
+    state = export_checkpoint(args.ckpt, args.format, args.output, overwrite=args.overwrite)
     print(f"wrote {len(state)} tensors ({args.format}) to {args.output}")
 
 

@@ -1,7 +1,8 @@
-"""Checkpoint files: the one safe reader (:mod:`.read`).
+"""Checkpoint files: the one safe reader (:mod:`.read`), the key layouts and the one table of
+model kinds (:mod:`.layouts`, no model import), and modules built from files (:mod:`.load`).
 
-``from mmssl.checkpoints import read_checkpoint`` stays the public spelling; the modules below
-are the floor that loading, writing and exporting build on.
+``from mmssl.checkpoints import read_checkpoint`` stays the public spelling. :mod:`.load` is not
+imported here: it builds models, and models import this package's lower floor.
 """
 
 from mmssl.checkpoints.read import SAFE_GLOBALS, UnsafeCheckpointError, read_checkpoint, read_state_dict

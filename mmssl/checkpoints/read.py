@@ -6,7 +6,7 @@
 ``torch.load(weights_only=True)``, whose unpickler rebuilds only tensors, containers and
 primitives, plus the types in :data:`SAFE_GLOBALS`. A file naming anything else is refused with
 :class:`UnsafeCheckpointError` before any of it runs. Which module class to build from a Lightning
-checkpoint is chosen by the caller from an allow-list (``mmssl.evaluation.encoders``), never
+checkpoint is chosen from the table of model kinds (``mmssl.checkpoints.layouts.KINDS``), never
 imported from a name the file holds.
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mmssl.checkpoints.layouts import strip_ddp
 # Types besides torch's own weights_only set that a checkpoint may pickle and mmssl accepts.
 # Measured with torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints written by
 # `mmssl fit` (configs/demo/{mae,clip}.yaml, ModelCheckpoint and LearningRateMonitor plus the
@@ -125,6 +126,4 @@ def read_state_dict(path: str) -> dict[str, torch.Tensor]:
         if isinstance(state.get(key), dict):
             state = state[key]
             break
-    if state and all(k.startswith("module.") for k in state):
-        state = {k.removeprefix("module."): v for k, v in state.items()}
-    return state
+    return strip_ddp(state)

@@ -2,28 +2,28 @@
 
 Every loader returns a module with the probe protocol (``mmssl.evaluation.features``) and
 ``image_size`` / ``image_mean`` / ``image_std`` for the eval transform; CLIP-like ones also have
-``encode_text`` and ``tokenizer`` for zero-shot. Lightning checkpoints are built as one of an
-allow-list of mmssl classes: ``MAE``, ``CLIP``, and the fine-tuned ``ImageClassifier`` (its ViT
-without the head: ``encode_image`` is the pooled pre-logits feature).
+``encode_text`` and ``tokenizer`` for zero-shot. Lightning checkpoints are built as one of the kinds
+of the one table (:mod:`mmssl.checkpoints.load`): ``MAE``, ``CLIP``, and the fine-tuned
+``ImageClassifier`` (its ViT without the head: ``encode_image`` is the pooled pre-logits feature).
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
-from typing import Any, Optional
+from typing import Optional
 
-import lightning.pytorch as pl
 import open_clip
 import timm
-import torch
-import yaml
 from torch import Tensor, nn
 
-from mmssl.checkpoints import read_checkpoint, read_state_dict
+from mmssl.checkpoints import read_state_dict
+from mmssl.checkpoints.load import load_lightning, model_class_names
 from mmssl.models.classifier import vit_block_features, vit_probe_tokens
+
+__all__ = ["TimmEncoder", "add_checkpoint_arguments", "is_open_clip_name", "load_lightning", "load_model",
+           "load_state_dict_model", "model_class_names"]
 
 
 class TimmEncoder(nn.Module):
@@ -55,50 +55,6 @@ class TimmEncoder(nn.Module):
         return vit_block_features(self.model, images, pool, norm)
 
 
-def _model_classes() -> dict[str, type[pl.LightningModule]]:
-    """The LightningModules a checkpoint may be loaded into, by the class path LightningCLI
-    records. A checkpoint selects one of these by name; nothing else is ever imported."""
-    from mmssl.models.classifier import ImageClassifier
-    from mmssl.models.clip import CLIP  # evaluation -> models: callbacks never import this
-    from mmssl.models.mae import MAE
-
-    return {"mmssl.models.mae.MAE": MAE, "mmssl.models.clip.CLIP": CLIP,
-            "mmssl.models.classifier.ImageClassifier": ImageClassifier}
-
-
-def _lightning_class(path: str, checkpoint: dict, model_class: Optional[str] = None) -> type[pl.LightningModule]:
-    """The allow-listed LightningModule class of a checkpoint: ``model_class`` if given, else its
-    ``_class_path`` hyper-parameter (written by LightningCLI), else ``model.class_path`` of the
-    run's ``config.yaml`` (``run/checkpoints/x.ckpt``)."""
-    class_path = model_class or checkpoint.get("hyper_parameters", {}).get("_class_path")
-    if class_path is None:
-        config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.yaml")
-        if os.path.isfile(config):
-            with open(config) as f:
-                class_path = (yaml.safe_load(f).get("model") or {}).get("class_path")
-    classes = _model_classes()
-    if not class_path:
-        raise ValueError(
-            f"{path}: the checkpoint names no model class (no hyper_parameters._class_path, no "
-            f"config.yaml beside the run): pass --model-class, one of {sorted(classes)}"
-        )
-    short = {name.rpartition(".")[2]: cls for name, cls in classes.items()}
-    # The short name, or the package's public path a config may give (mmssl.models.ImageClassifier).
-    cls = classes.get(class_path) or short.get(class_path) or short.get(class_path.removeprefix("mmssl.models."))
-    if cls is None:
-        raise ValueError(
-            f"{path}: model class {class_path!r} is not one mmssl loads checkpoints into; "
-            f"choose from {sorted(classes)}"
-        )
-    return cls
-
-
-def model_class_names() -> tuple[str, ...]:
-    """``--model-class`` choices: the allow-listed classes by short name, then by class path."""
-    paths = sorted(_model_classes())
-    return (*(p.rpartition(".")[2] for p in paths), *paths)
-
-
 def add_checkpoint_arguments(parser: argparse.ArgumentParser, state_dict_models: str = "timm name, open_clip name or .json",
                              model_kwargs: bool = True) -> None:
     """The tools' checkpoint arguments: ``--ckpt``, ``--model``, ``--model-kwargs``, ``--model-class``
@@ -115,37 +71,6 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser, state_dict_models:
         parser.add_argument("--model-kwargs", type=json.loads, default=None, help="JSON dict for timm.create_model")
     parser.add_argument("--model-class", choices=model_class_names(),
                         help="model class if the checkpoint records none (only mmssl's own are built)")
-
-
-def load_lightning(path: str, model_class: Optional[str] = None) -> pl.LightningModule:
-    """Load an mmssl Lightning checkpoint into the allow-listed class it records.
-
-    The file is read as data only (:func:`mmssl.checkpoints.read_checkpoint`); the module is
-    built from its saved hyper-parameters, then takes its weights (strictly). ``pretrained`` /
-    ``init_encoder`` are not re-read: the checkpoint's weights replace whatever they would load.
-
-    Args:
-        path: the ``.ckpt`` file.
-        model_class: ``mmssl.models.mae.MAE``, ``mmssl.models.clip.CLIP`` or
-            ``mmssl.models.classifier.ImageClassifier`` (or ``MAE`` / ``CLIP`` /
-            ``ImageClassifier``), overriding what the checkpoint records.
-
-    Returns:
-        The module on the CPU, in eval mode.
-    """
-    checkpoint = read_checkpoint(path)
-    if not isinstance(checkpoint.get("state_dict"), dict):
-        raise KeyError(f"{path} is not a Lightning checkpoint (no 'state_dict' entry): pass --model for a state dict")
-    cls = _lightning_class(path, checkpoint, model_class)
-    hparams = {k: v for k, v in checkpoint.get("hyper_parameters", {}).items() if not k.startswith("_")}
-    accepted = inspect.signature(cls.__init__).parameters
-    unknown = sorted(set(hparams) - set(accepted))
-    if unknown:
-        raise ValueError(f"{path}: hyper-parameters {unknown} are not arguments of {cls.__name__}")
-    hparams.update({k: None for k in ("pretrained", "init_encoder") if k in accepted})
-    module = cls(**hparams)
-    module.load_state_dict(checkpoint["state_dict"])
-    return module.eval()
 
 
 def is_open_clip_name(name: str) -> bool:

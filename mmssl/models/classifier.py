@@ -15,7 +15,6 @@ tower is a timm model, an exported timm state dict, an MAE release, or nothing (
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Optional
 
 import numpy as np
@@ -25,7 +24,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info
 from timm.data import Mixup
-from timm.layers import resample_abs_pos_embed, trunc_normal_
+from timm.layers import trunc_normal_
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import param_groups_layer_decay
 from torch import Tensor, nn
@@ -33,19 +32,15 @@ from torch.nn import functional as F
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from mmssl.checkpoints import read_state_dict
 from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD  # MAE util/datasets.py normalisation
 from mmssl.distributed import seed_per_rank
-from mmssl.export import to_timm
 from mmssl.models._logging import logging_step
-from mmssl.optim import warmup_cosine
-
-StateDict = dict[str, Tensor]
+from mmssl.models.vit import load_encoder
+from mmssl.optim import check_warmup, warmup_cosine
 
 # Keys a pretrained encoder does not provide: the new head, and fc_norm under global pooling
 # (MAE main_finetune.py asserts exactly these are missing after loading).
 NEW_KEYS = frozenset({"head.weight", "head.bias", "fc_norm.weight", "fc_norm.bias"})
-CLIP_TIMM_TRUNK = "model.visual.trunk."  # open_clip's TimmModel tower inside mmssl's CLIP
 
 
 def finetune_adamw(params: Any) -> torch.optim.Optimizer:
@@ -55,91 +50,6 @@ def finetune_adamw(params: Any) -> torch.optim.Optimizer:
     weight decay (0.05, or 0 for 1-D parameters, ``pos_embed`` and ``cls_token``).
     """
     return torch.optim.AdamW(params, lr=1e-3)
-
-
-def to_timm_classifier(state_dict: StateDict) -> StateDict:
-    """``ImageClassifier`` checkpoint -> timm ``VisionTransformer`` state dict, head included.
-
-    Args:
-        state_dict: a Lightning checkpoint's ``state_dict`` of an ``ImageClassifier``.
-
-    Returns:
-        State dict for ``timm.create_model(model_name, num_classes=N, global_pool=POOL,
-        **model_kwargs)`` with the module's own arguments (its ``hparams``), loaded strictly.
-    """
-    prefix = "model."
-    if "model.head.weight" not in state_dict:
-        raise KeyError("no 'model.head.weight' in this checkpoint: is it an mmssl ImageClassifier checkpoint?")
-    return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-
-
-def pretrained_vit_weights(path: str) -> StateDict:
-    """A checkpoint file's ViT weights under timm's names, whatever wrote the file.
-
-    Args:
-        path: an mmssl MAE, CLIP (timm image tower) or ImageClassifier Lightning checkpoint, an
-            exported timm state dict, or an MAE release (``{"model": ...}``); ``.safetensors`` too.
-
-    Returns:
-        The state dict; extra keys (MAE's decoder, a classifier head) are left for the caller.
-    """
-    state = read_state_dict(path)  # weights only; unwraps "state_dict" / "model", strips "module."
-    if any(k.startswith("encoder.") for k in state):  # mmssl MAE: MaskedViT uses timm's names
-        return to_timm(state)
-    if "model.logit_scale" in state:  # mmssl CLIP
-        trunk = {k[len(CLIP_TIMM_TRUNK):]: v for k, v in state.items() if k.startswith(CLIP_TIMM_TRUNK)}
-        if not trunk:
-            raise ValueError(
-                f"{path}: a CLIP checkpoint whose image tower is open_clip's own ViT, not a timm model; "
-                "only CLIP models with a timm tower (vision_cfg.timm_model_name) can initialise a timm ViT")
-        return trunk
-    if "model.head.weight" in state:  # an mmssl ImageClassifier: continue from its encoder
-        return to_timm_classifier(state)
-    return state
-
-
-def load_pretrained(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
-    """Initialise a timm ViT from a checkpoint file, as MAE ``main_finetune.py`` does.
-
-    A head of another shape is dropped, the position embedding is resampled to the model's grid
-    (timm's ``resample_abs_pos_embed``, MAE's ``interpolate_pos_embed``), keys the model lacks
-    (MAE's decoder and mask token, the final ``norm`` under global pooling) are ignored.
-
-    Args:
-        model: a timm ``VisionTransformer``, filled in place.
-        path: checkpoint file (see :func:`pretrained_vit_weights`).
-
-    Returns:
-        ``(missing, ignored)``: the model's keys left as built (a subset of the head and
-        ``fc_norm``) and the file's keys not loaded.
-
-    Raises:
-        KeyError: the file lacks encoder weights the model has.
-        ValueError: a weight's shape differs (the file's ViT is not ``model_kwargs``'s).
-    """
-    state = dict(pretrained_vit_weights(path))
-    own = model.state_dict()
-    for key in ("head.weight", "head.bias"):
-        if key in state and key in own and state[key].shape != own[key].shape:
-            del state[key]
-    pos = state.get("pos_embed")
-    if pos is not None and "pos_embed" in own and pos.shape != own["pos_embed"].shape:
-        grid = model.patch_embed.grid_size
-        state["pos_embed"] = resample_abs_pos_embed(pos, new_size=list(grid), num_prefix_tokens=model.num_prefix_tokens)
-    ignored = sorted(k for k in state if k not in own)
-    state = {k: v for k, v in state.items() if k in own}
-    wrong = [f"{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in state.items()
-             if v.shape != own[k].shape]
-    if wrong:
-        raise ValueError(f"{path}: weights of another shape ({'; '.join(wrong[:4])}): set model.model_kwargs "
-                         "(patch_size, embed_dim, depth, num_heads, ...) to those of the pretrained ViT")
-    missing = sorted(set(own) - set(state))
-    lacking = [k for k in missing if k not in NEW_KEYS]
-    if lacking:
-        more = " ..." if len(lacking) > 8 else ""
-        raise KeyError(f"{path}: the checkpoint lacks encoder weights {lacking[:8]}{more}")
-    model.load_state_dict(state, strict=False)
-    return missing, ignored
 
 
 def vit_probe_tokens(model: nn.Module, images: Tensor) -> Tensor:
@@ -172,7 +82,7 @@ class ImageClassifier(LightningModule):
         global_pool: ``"avg"``: mean of the patch tokens then ``fc_norm`` (MAE's default,
             ``--global_pool``); ``"token"``: the final-norm cls token (``--cls_token``).
         drop_path_rate: stochastic depth (MAE: 0.1 ViT-B, 0.2 ViT-L, 0.3 ViT-H).
-        init_encoder: checkpoint to initialise the ViT from (see :func:`pretrained_vit_weights`);
+        init_encoder: checkpoint to initialise the ViT from (see :func:`mmssl.models.vit.load_encoder`);
             ``None`` trains from scratch. ``load_from_checkpoint(..., init_encoder=None)`` skips it.
         head_init_std: std of the new head's truncated-normal weights when ``init_encoder`` is set
             (MAE ``main_finetune.py``: 2e-5); from scratch the head keeps timm's initialisation.
@@ -229,6 +139,8 @@ class ImageClassifier(LightningModule):
             raise ValueError(f"model.global_pool must be 'avg' (MAE's default) or 'token', got {global_pool!r}")
         if not 0.0 < layer_decay <= 1.0:
             raise ValueError(f"model.layer_decay must be in (0, 1], got {layer_decay}")
+        check_warmup("model.warmup_epochs", warmup_epochs)
+        check_warmup("model.warmup_steps", warmup_steps)
         self.save_hyperparameters(ignore=["optimizer"])
         self.num_classes, self.image_size = num_classes, image_size
         self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
@@ -242,9 +154,7 @@ class ImageClassifier(LightningModule):
         if not hasattr(self.model, "blocks"):
             raise ValueError(f"model.model_name={model_name!r}: layer-wise LR decay needs a ViT with `blocks`")
         if init_encoder:
-            if not os.path.isfile(init_encoder):
-                raise FileNotFoundError(f"model.init_encoder: no checkpoint file at {init_encoder!r}")
-            missing, ignored = load_pretrained(self.model, init_encoder)
+            missing, ignored = load_encoder(self.model, init_encoder, NEW_KEYS)
             if "head.weight" in missing:  # MAE main_finetune.py: manually initialize fc layer
                 trunc_normal_(self.model.head.weight, std=head_init_std)
             rank_zero_info(f"ImageClassifier: encoder from {init_encoder}; new {missing}; "

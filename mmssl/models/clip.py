@@ -33,7 +33,7 @@ from mmssl.models.gradcache import cached_features
 from mmssl.models._logging import logging_step
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
     OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, resolve_model_name, text_padding_is_inert)
-from mmssl.optim import Phase, param_groups, record_shapes, unmatched_patterns, warmup_cosine
+from mmssl.optim import Phase, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 
 # Initial (logit_scale, logit_bias): CLIP sec. 2.5 (temperature 0.07, no bias); SigLIP sec. 3.2
 # (t' = log 10, b = -10, so training starts near the prior of mostly negative pairs).
@@ -126,6 +126,7 @@ class CLIP(pl.LightningModule):
             raise ValueError(f"model.loss: {loss!r} is not one of {sorted(LOSS_INIT)}")
         if pretrained is not None and not os.path.isfile(pretrained):
             raise FileNotFoundError(f"model.pretrained: no checkpoint file at {pretrained!r}")
+        check_warmup("model.warmup_steps", warmup_steps)
         if unmasked_tune_steps < 0 or unmasked_tune_warmup_steps < 0 or unmasked_tune_lr_ratio < 0:
             raise ValueError(
                 "model.unmasked_tune_steps, unmasked_tune_warmup_steps and unmasked_tune_lr_ratio must be >= 0, "

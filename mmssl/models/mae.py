@@ -6,6 +6,7 @@ Follows facebookresearch/mae ``models_mae.py`` (``forward_decoder``, ``forward_l
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -16,26 +17,17 @@ from timm.models.vision_transformer import Block
 from torch import nn
 from torchmetrics import MeanMetric
 
+from mmssl.checkpoints.read import read_state_dict
+from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from mmssl.distributed import seed_per_rank
 from mmssl.losses import mae_loss
 from mmssl.models.masking import Masking, patchify, sample_noise, unpatchify
-from mmssl.models.vit import (
-    LayerNorm,
-    MaskedViT,
-    init_vit_weights,
-    load_encoder,
-    read_checkpoint,
-    sincos_pos_embed_2d,
-)
+from mmssl.models.vit import LayerNorm, MaskedViT, init_vit_weights, load_encoder, sincos_pos_embed_2d
 from mmssl.models._logging import logging_step
-from mmssl.optim import NDIM_LT_2, param_groups, record_shapes, unmatched_patterns, warmup_cosine
+from mmssl.optim import NDIM_LT_2, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 
 # timm 0.3.2 add_weight_decay, as main_pretrain.py calls it: len(shape) == 1 or name.endswith(".bias").
 MAE_NO_DECAY: tuple[str, ...] = (NDIM_LT_2, "*.bias")
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
 
 # facebookresearch/mae models_mae.py names of the decoder's parameters -> MAEDecoder's.
 MAE_DECODER_NAMES = {
@@ -123,7 +115,7 @@ class MAEDecoder(nn.Module):
         return self.pred(self.norm(x))[:, 1:]  # (B, L, p*p*C)
 
 
-def load_decoder(decoder: MAEDecoder, path: str) -> bool:
+def load_decoder(decoder: MAEDecoder, state: dict[str, torch.Tensor]) -> bool:
     """Initialise ``decoder`` from a checkpoint file that holds a decoder of the same shape.
 
     Reads mmssl checkpoints (``decoder.*``) and MAE's releases with a decoder (the
@@ -131,12 +123,11 @@ def load_decoder(decoder: MAEDecoder, path: str) -> bool:
 
     Args:
         decoder: the decoder to fill in place.
-        path: checkpoint file.
+        state: the checkpoint file's tensors (:func:`mmssl.checkpoints.read_state_dict`).
 
     Returns:
         Whether the file held a matching decoder (else ``decoder`` is left as it was).
     """
-    state = read_checkpoint(path)
     found = {}
     for key, value in state.items():
         if key.startswith("decoder."):
@@ -213,6 +204,7 @@ class MAE(LightningModule):
         # Reject a ratio of 0 too: with nothing masked the loss has no targets.
         if not 0.0 < mask_ratio < 1.0:
             raise ValueError(f"mask_ratio must be in (0, 1), got {mask_ratio}")
+        check_warmup("model.warmup_steps", warmup_steps)
         self.save_hyperparameters(ignore=["optimizer"])
         self.image_size = image_size
         self.image_mean = tuple(image_mean)
@@ -236,8 +228,11 @@ class MAE(LightningModule):
         if unmatched:
             raise ValueError(f"model.no_weight_decay: {unmatched} match no parameter of the MAE")
         if init_encoder:
-            load_encoder(self.encoder, init_encoder)
-            if load_decoder(self.decoder, init_encoder):
+            if not os.path.isfile(init_encoder):
+                raise FileNotFoundError(f"model.init_encoder: no checkpoint file at {init_encoder!r}")
+            state = read_state_dict(init_encoder)  # weights only, read once for both halves
+            load_encoder(self.encoder, init_encoder, state=state)
+            if load_decoder(self.decoder, state):
                 rank_zero_info(f"MAE: decoder initialised from {init_encoder} too")
 
     # ---- named stages (MAE forward_encoder / forward_decoder / forward_loss) -------------------

@@ -3,7 +3,8 @@
 Shared by MAE and by CLIP's masked image tower (FLIP). The parameter names equal those of
 ``timm.models.vision_transformer.VisionTransformer`` (``cls_token``, ``pos_embed``,
 ``patch_embed.proj``, ``blocks.N``, ``norm``), so the state dict loads into
-``timm.create_model("vit_*", num_classes=0, global_pool="token")`` unchanged (see ``export.py``).
+``timm.create_model("vit_*", num_classes=0, global_pool="token")`` unchanged
+(``mmssl.checkpoints.layouts.mae_to_timm``).
 Follows facebookresearch/mae ``models_mae.py`` (``forward_encoder``, ``initialize_weights``).
 """
 
@@ -12,14 +13,15 @@ from __future__ import annotations
 import logging
 import os
 from functools import partial
-from typing import Literal
+from typing import Collection, Literal, Optional
 
 import torch
-from timm.layers import PatchEmbed, resample_abs_pos_embed
+from timm.layers import PatchEmbed
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from mmssl.checkpoints import read_state_dict as read_state_dict_file
+from mmssl.checkpoints.layouts import StateDict, fit_vit_state, vit_weights
+from mmssl.checkpoints.read import read_state_dict
 from mmssl.models.masking import Masking, gather_tokens, random_masking
 
 log = logging.getLogger(__name__)
@@ -236,66 +238,33 @@ class MaskedViT(nn.Module):
         return outputs
 
 
-def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
-    """Read the tensors of a timm / MAE-released / mmssl checkpoint file.
+def load_encoder(
+    model: nn.Module, path: str, new_keys: Collection[str] = (), state: Optional[StateDict] = None
+) -> tuple[list[str], list[str]]:
+    """Initialise a ViT (``MaskedViT`` or a timm ``VisionTransformer``) from a checkpoint file.
 
-    Accepts ``.safetensors`` or ``torch.save`` files holding a bare state dict or one under
-    ``"state_dict"`` (Lightning) or ``"model"`` (MAE releases), read by the package's one safe
-    reader (:func:`mmssl.checkpoints.read_state_dict`: weights only, no pickled code); strips
-    DDP's ``module.`` prefix.
-
-    Args:
-        path: local file.
-
-    Returns:
-        The state dict as stored (keys unchanged otherwise).
-    """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"init_encoder: no such checkpoint file: {path}")
-    return read_state_dict_file(path)
-
-
-def read_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """The encoder's tensors of a checkpoint file, with timm ViT key names.
+    Reads an mmssl MAE, CLIP (timm tower) or ImageClassifier checkpoint, an exported timm state
+    dict or an MAE release (:func:`mmssl.checkpoints.layouts.vit_weights`), weights only. A head
+    of another shape is dropped, a position embedding for another grid resampled, keys the model
+    lacks ignored (:func:`mmssl.checkpoints.layouts.fit_vit_state`). Note a timm supervised
+    checkpoint brings its learned position embedding, kept fixed in a ``MaskedViT``.
 
     Args:
-        path: local file (see :func:`read_checkpoint`); an mmssl checkpoint's ``encoder.``
-            prefix is removed and its other modules dropped.
-
-    Returns:
-        State dict with timm ViT key names (plus any extra keys of timm / MAE files).
-    """
-    state = read_checkpoint(path)
-    if any(k.startswith("encoder.") for k in state):
-        state = {
-            k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")
-        }
-    return state
-
-
-def load_encoder(encoder: MaskedViT, path: str) -> None:
-    """Initialise ``encoder`` from a local timm / MAE-released / mmssl checkpoint file.
-
-    Keys the encoder does not have (MAE's ``decoder_*`` and ``mask_token``, classifier heads) are
-    ignored; a position embedding for another grid size is resampled with timm's helper. Note a
-    timm supervised checkpoint brings its learned position embedding, kept fixed from then on.
-
-    Args:
-        encoder: the encoder to fill in place.
+        model: the ViT to fill in place.
         path: checkpoint file.
+        new_keys: model keys the file need not provide (a classifier's new head and ``fc_norm``).
+        state: the file's tensors when the caller has read them already.
+
+    Returns:
+        ``(missing, ignored)``: the model's keys left as built and the file's keys not loaded.
     """
-    state = read_state_dict(path)
-    pos = state.get("pos_embed")
-    if pos is not None and pos.shape != encoder.pos_embed.shape:
-        state["pos_embed"] = resample_abs_pos_embed(
-            pos, new_size=(encoder.grid_size, encoder.grid_size), num_prefix_tokens=1
-        )
-    own = encoder.state_dict()
-    ignored = sorted(k for k in state if k not in own)
-    state = {k: v for k, v in state.items() if k in own}
-    missing = sorted(k for k in own if k not in state)
-    if missing:
-        more = " ..." if len(missing) > 8 else ""
-        raise KeyError(f"checkpoint {path} lacks encoder weights: {missing[:8]}{more}")
-    encoder.load_state_dict(state)
+    if state is None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model.init_encoder: no checkpoint file at {path!r}")
+        state = read_state_dict(path)  # weights only; unwraps "state_dict" / "model", strips "module."
+    grid = tuple(model.patch_embed.grid_size)
+    to_load, missing, ignored = fit_vit_state(
+        vit_weights(state, path), model.state_dict(), grid, int(getattr(model, "num_prefix_tokens", 1)), path, new_keys)
+    model.load_state_dict(to_load, strict=False)
     log.info("initialised encoder from %s (ignored %d keys: %s)", path, len(ignored), ignored[:8])
+    return missing, ignored

@@ -16,7 +16,7 @@ from mmssl.checkpoints import read_state_dict
 from mmssl.data.transforms import timm_train_transform
 from mmssl.export import export_checkpoint
 from mmssl.models import ImageClassifier
-from mmssl.models.classifier import to_timm_classifier
+from mmssl.checkpoints.layouts import classifier_to_timm
 from mmssl.models.mae import MAE
 
 SHAPE = {"patch_size": 4, "embed_dim": 32, "depth": 3, "num_heads": 2}
@@ -139,13 +139,13 @@ def test_mae_release_file_and_bad_files(tmp_path):
 def test_timm_export_with_head_loads_into_plain_timm():
     torch.manual_seed(0)
     module = classifier().eval()
-    exported = to_timm_classifier({f"model.{k}": v for k, v in module.model.state_dict().items()})
+    exported = classifier_to_timm({f"model.{k}": v for k, v in module.model.state_dict().items()})
     plain = timm.create_model("vit_base_patch16_224", num_classes=5, global_pool="avg", img_size=16, **SHAPE).eval()
     plain.load_state_dict(exported)  # strict
     images = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(plain(images), module(images), rtol=0, atol=0)
     with pytest.raises(KeyError, match="ImageClassifier"):
-        to_timm_classifier({"encoder.cls_token": torch.zeros(1)})
+        classifier_to_timm({"encoder.cls_token": torch.zeros(1)})
 
 
 def test_export_checkpoint_timm_format_writes_the_classifier_with_its_head(tmp_path):

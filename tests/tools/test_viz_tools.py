@@ -80,6 +80,25 @@ def test_attention_tool_on_mae_clip_and_timm_files(images, tiny_clip_json, tmp_p
                  monkeypatch)
 
 
+def test_attention_tool_keeps_same_named_images_apart(images, tmp_path, monkeypatch):
+    # a/x.png and b/x.png: one output each (their paths below the common folder), not one file twice.
+    for sub, source in (("a", images[0]), ("b", images[1])):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "x.png").write_bytes(Path(source).read_bytes())
+    (tmp_path / "a" / "x.jpg").write_bytes(b"")
+    mae = _lightning_file(MAE(**TINY_MAE), "mmssl.models.mae.MAE", tmp_path / "mae.ckpt")
+    pair = [str(tmp_path / "a" / "x.png"), str(tmp_path / "b" / "x.png")]
+    written = run_tool("attention_maps.py", ["--ckpt", str(mae), "--images", *pair, "--output", str(tmp_path / "out")],
+                       monkeypatch)
+    assert written == [str(tmp_path / "out" / "a" / "x_attention.png"), str(tmp_path / "out" / "b" / "x_attention.png")]
+    assert _png(written[0]).tobytes() != _png(written[1]).tobytes()
+    clash = [str(tmp_path / "a" / "x.png"), str(tmp_path / "a" / "x.jpg"), pair[1]]
+    with pytest.raises(ValueError, match="x.png.*and.*x.jpg.*would both"):
+        run_tool("attention_maps.py", ["--ckpt", str(mae), "--images", *clash, "--output", str(tmp_path / "o2")],
+                 monkeypatch)
+    assert not (tmp_path / "o2").exists()  # refused before anything is written
+
+
 def test_similarity_tool_writes_one_panel_per_query(images, tiny_clip_json, tmp_path, monkeypatch):
     torch.manual_seed(0)
     clip = _lightning_file(CLIP(tiny_clip_json), "mmssl.models.clip.CLIP", tmp_path / "clip.ckpt")

@@ -17,10 +17,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn
+
+from mmssl.checkpoints.layouts import classifier_to_timm, mae_to_timm
 
 StateDict = dict[str, torch.Tensor]
 
@@ -109,50 +111,72 @@ def timm_vit_name(patch_size: int, embed_dim: int, depth: int, num_heads: int, i
     return "vit_base_patch16_224"
 
 
-def timm_from_mae(module: nn.Module) -> Optional[TimmExport]:
+def mmssl_pretrained_cfg(module: nn.Module, architecture: str, image_size: int, num_classes: int, source: str) -> dict:
+    """The ``pretrained_cfg`` of an exported model: its normalisation and size (for timm's
+    ``resolve_data_config``), tagged as mmssl's and naming the checkpoint file. Built afresh rather
+    than from the registered name's cfg, whose tag, hub id and licence describe timm's weights."""
+    return {
+        "architecture": architecture, "tag": "mmssl", "custom_load": False,
+        "description": f"mmssl {type(module).__name__} checkpoint {os.path.basename(source)}, "
+                       "exported with tools/export.py",
+        "input_size": (3, image_size, image_size), "fixed_input_size": True, "interpolation": "bicubic",
+        "crop_pct": 1.0, "crop_mode": "center", "mean": tuple(module.image_mean), "std": tuple(module.image_std),
+        "num_classes": num_classes, "first_conv": "patch_embed.proj", "classifier": "head",
+    }
+
+
+def timm_from_mae(module: nn.Module, source: str) -> TimmExport:
     """An mmssl ``MAE``'s encoder as a timm ``VisionTransformer`` (``num_classes=0``, token pool)."""
     import timm
 
-    from mmssl.export import to_timm
-
     hp = module.hparams
-    if "decoder_embed_dim" not in hp:
-        return None
     args = dict(img_size=hp["image_size"], patch_size=hp["patch_size"], embed_dim=hp["embed_dim"],
                 depth=hp["depth"], num_heads=hp["num_heads"], mlp_ratio=hp["mlp_ratio"],
                 num_classes=0, global_pool="token")
     name = timm_vit_name(hp["patch_size"], hp["embed_dim"], hp["depth"], hp["num_heads"], hp["image_size"])
     model = timm.create_model(name, pretrained=False, **args)
-    model.load_state_dict(to_timm(module.state_dict()), strict=True)
-    # The model's normalisation and size, for timm's data config (resolve_data_config).
-    model.pretrained_cfg = {**model.pretrained_cfg, "mean": tuple(module.image_mean), "std": tuple(module.image_std),
-                            "input_size": (3, hp["image_size"], hp["image_size"]), "crop_pct": 1.0,
-                            "num_classes": 0, "architecture": name}
+    model.load_state_dict(mae_to_timm(module.state_dict()), strict=True)
+    model.pretrained_cfg = mmssl_pretrained_cfg(module, name, hp["image_size"], 0, source)
     return TimmExport(model.eval(), {"architecture": name, **args})
 
 
-# What a checkpoint may hold that becomes a timm model: each returns ``None`` when the module is
-# not its kind. A module kind with a timm image model (a fine-tuned classifier with its head,
-# say) adds its function here.
-TIMM_SOURCES: list[Callable[[nn.Module], Optional[TimmExport]]] = [timm_from_mae]
+def timm_from_classifier(module: nn.Module, source: str) -> TimmExport:
+    """A fine-tuned mmssl ``ImageClassifier`` as its timm model, head included."""
+    import timm
+
+    hp = module.hparams
+    args = dict(num_classes=hp["num_classes"], global_pool=hp["global_pool"], img_size=hp["image_size"],
+                **(hp.get("model_kwargs") or {}))
+    model = timm.create_model(hp["model_name"], pretrained=False, **args)
+    model.load_state_dict(classifier_to_timm(module.state_dict()), strict=True)
+    model.pretrained_cfg = mmssl_pretrained_cfg(module, hp["model_name"], hp["image_size"], hp["num_classes"], source)
+    return TimmExport(model.eval(), {"architecture": hp["model_name"], **args})
 
 
-def write_timm_folder(module: nn.Module, output: str) -> StateDict:
+# The timm model of each kind whose row in mmssl.checkpoints.layouts.KINDS lists "timm".
+TIMM_MODELS: dict[str, Callable[[nn.Module, str], TimmExport]] = {
+    "MAE": timm_from_mae, "ImageClassifier": timm_from_classifier,
+}
+
+
+def write_timm_folder(module: nn.Module, output: str, source: str = "") -> StateDict:
     """Write a timm hub folder (``model.safetensors`` + ``config.json``) with timm's own writer.
 
     Args:
-        module: an mmssl LightningModule one of :data:`TIMM_SOURCES` converts.
+        module: an mmssl LightningModule of a kind :data:`TIMM_MODELS` has.
         output: folder to write (created).
+        source: the checkpoint file, named in ``pretrained_cfg.description``.
 
     Returns:
         The saved state dict.
     """
     from timm.models._hub import save_for_hf  # timm's push_to_hf_hub writer, without the upload
 
-    export = next((e for e in (f(module) for f in TIMM_SOURCES) if e is not None), None)
-    if export is None:
+    build = TIMM_MODELS.get(type(module).__name__)
+    if build is None:
         raise ValueError(f"--format timm: a {type(module).__name__} checkpoint has no timm image model "
-                         "(MAE encoders export to timm; CLIP checkpoints: --format open_clip, open_clip_hf or hf)")
+                         f"(these do: {sorted(TIMM_MODELS)}; CLIP checkpoints: --format open_clip, open_clip_hf or hf)")
+    export = build(module, source)
     args = dict(export.model_args)
     architecture = args.pop("architecture")
     save_for_hf(export.model, output, model_config=dict(export.model_config), model_args=args, safe_serialization=True)

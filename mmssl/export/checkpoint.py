@@ -1,0 +1,144 @@
+"""Turn an mmssl training checkpoint into what another library loads: state-dict files and folders.
+
+Two kinds of format, one entry point (:func:`export_checkpoint`, ``tools/export.py``):
+
+* **State-dict files** (:data:`EXPORTERS`): the Lightning ``state_dict`` under the target
+  library's names (:mod:`mmssl.checkpoints.layouts`), saved as ``.pth`` / ``.safetensors``
+  (``timm``, ``open_clip``).
+* **Folders** (:data:`FOLDER_EXPORTERS`): the module rebuilt from the checkpoint's
+  hyper-parameters, written with its configs as the target library's hub folder: ``hf``
+  (transformers ``CLIPModel``, :mod:`mmssl.export.hf`), ``open_clip_hf`` and ``timm``
+  (:mod:`mmssl.export.hub`). ``--format timm`` writes a folder when the output has no file
+  suffix (or is a folder).
+
+Which kinds a format holds is the ``formats`` column of :data:`mmssl.checkpoints.layouts.KINDS`;
+any other pair is refused, naming the formats the kind has.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+from torch import nn
+
+from mmssl.checkpoints.layouts import ModelKind, clip_to_open_clip, detect_kind, kinds_for
+from mmssl.checkpoints.load import build_module, checkpoint_kind, read_lightning
+from mmssl.export.paths import check_output, save_state_file, write_folder
+
+StateDict = dict[str, torch.Tensor]
+
+
+def to_timm(state_dict: StateDict) -> StateDict:
+    """An MAE's encoder (``num_classes=0, global_pool="token"``) or an ImageClassifier's whole ViT,
+    head included, under timm's ``VisionTransformer`` names.
+
+    Args:
+        state_dict: a Lightning checkpoint's ``state_dict`` of an ``MAE`` or ``ImageClassifier``.
+
+    Returns:
+        State dict for ``timm.create_model(...)`` with the module's sizes, loaded strictly.
+    """
+    kind = detect_kind(state_dict)
+    if kind is None or "timm" not in kind.formats:
+        raise KeyError("no 'encoder.*' (MAE) or 'model.head.*' (ImageClassifier) weights in this checkpoint: "
+                       f"--format timm holds {' or '.join(kinds_for('timm'))} checkpoints")
+    return kind.vit(state_dict)
+
+
+def to_open_clip(state_dict: StateDict) -> StateDict:
+    """CLIP module -> plain open_clip state dict (:func:`mmssl.checkpoints.layouts.clip_to_open_clip`).
+
+    ``open_clip.create_model_and_transforms(NAME, pretrained=FILE)`` loads the result (strictly)
+    when NAME is the config the module was built from: for a JSON config of ours, register it
+    first with ``open_clip.add_model_config("path/to/name.json")``. A SigLIP model carries
+    ``logit_bias``: load it into a config without one by passing ``init_logit_bias=-10`` to
+    ``create_model_and_transforms`` (any value; the file's wins).
+    """
+    return clip_to_open_clip(state_dict)
+
+
+EXPORTERS: dict[str, Callable[[StateDict], StateDict]] = {"timm": to_timm, "open_clip": to_open_clip}
+
+
+def _write_hf(module: nn.Module, output: str, source: str) -> StateDict:
+    from mmssl.export.hf import write_hf  # transformers only when asked for
+
+    return write_hf(module, output)
+
+
+def _write_open_clip_hf(module: nn.Module, output: str, source: str) -> StateDict:
+    from mmssl.export.hub import write_open_clip_hf
+
+    return write_open_clip_hf(module, output)
+
+
+def _write_timm_folder(module: nn.Module, output: str, source: str) -> StateDict:
+    from mmssl.export.hub import write_timm_folder
+
+    return write_timm_folder(module, output, source)
+
+
+# format -> writer(module, folder, checkpoint path)
+FOLDER_EXPORTERS: dict[str, Callable[[nn.Module, str, str], StateDict]] = {
+    "hf": _write_hf, "open_clip_hf": _write_open_clip_hf, "timm": _write_timm_folder,
+}
+FORMATS = sorted(set(EXPORTERS) | set(FOLDER_EXPORTERS))
+FILE_SUFFIXES = (".pth", ".pt", ".bin", ".safetensors")
+
+
+def check_format(kind: ModelKind, format: str) -> None:
+    """Refuse a format the kind's row of the table does not list, naming those it does."""
+    if format not in kind.formats:
+        raise ValueError(f"--format {format} needs an mmssl {' or '.join(kinds_for(format))} checkpoint, not a "
+                         f"{kind.name} one ({kind.name} exports with --format {' / '.join(kind.formats)})")
+
+
+def export_checkpoint(ckpt: str, format: str, output: str, overwrite: bool = False) -> StateDict:
+    """Convert ``ckpt`` to ``format`` and save it to ``output``.
+
+    The destination is checked first (:func:`mmssl.export.paths.check_output`), the checkpoint
+    read once, its kind checked against the format, and only then anything written, through a
+    temporary file or folder beside ``output``: a refused or failed export leaves it as it was.
+
+    Args:
+        ckpt: Lightning checkpoint path.
+        format: a key of :data:`EXPORTERS` or :data:`FOLDER_EXPORTERS`.
+        output: destination; a state-dict format writes ``.safetensors`` for that suffix, else
+            ``torch.save``; a folder format writes the folder ``output`` (``timm``: a folder
+            when ``output`` has none of :data:`FILE_SUFFIXES` or is a folder already).
+        overwrite: replace an existing file, or a folder of an earlier export.
+
+    Returns:
+        The exported state dict.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r}; choose from {FORMATS}")
+    if not os.path.isfile(ckpt):
+        raise FileNotFoundError(f"--ckpt: no checkpoint file at {ckpt!r}")
+    folder = format in FOLDER_EXPORTERS and (
+        format not in EXPORTERS or os.path.isdir(output) or not output.endswith(FILE_SUFFIXES))
+    if folder and output.endswith(FILE_SUFFIXES) and not os.path.isdir(output):
+        raise ValueError(f"--format {format} writes a folder: --output {output!r} names a file")
+    check_output(output, folder, overwrite)
+    checkpoint = read_lightning(ckpt)  # once, weights only
+    try:
+        kind = checkpoint_kind(ckpt, checkpoint)
+    except ValueError:
+        if folder:
+            raise
+        kind = None  # no kind of the table: the file format's converter names what it lacks
+    if kind is not None:
+        check_format(kind, format)
+    if folder:
+        module = build_module(ckpt, checkpoint, kind)
+        return write_folder(output, lambda tmp: FOLDER_EXPORTERS[format](module, tmp, ckpt))
+    state = EXPORTERS[format](checkpoint["state_dict"])
+    state = {k: v.detach().contiguous().clone() for k, v in state.items()}
+    save_state_file(state, output)
+    return state
+
+
+__all__ = ["EXPORTERS", "FILE_SUFFIXES", "FOLDER_EXPORTERS", "FORMATS", "check_format", "export_checkpoint",
+           "to_open_clip", "to_timm"]

@@ -1,0 +1,108 @@
+"""One table of model kinds (mmssl.checkpoints.layouts.KINDS): loading, exporting and fine-tuning
+initialisation agree on it; every kind exports to every format its row lists, and any other
+format is refused naming the ones it has."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+from mmssl.checkpoints import layouts, load
+from mmssl.checkpoints.layouts import KINDS, detect_kind, kind_named
+from mmssl.export import EXPORTERS, FOLDER_EXPORTERS, FORMATS, export_checkpoint
+from mmssl.export.hub import TIMM_MODELS
+from mmssl.models import ImageClassifier
+from mmssl.models.mae import MAE
+
+TINY_MAE = dict(image_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, decoder_embed_dim=32,
+                decoder_depth=1, decoder_num_heads=2)
+TINY_VIT = dict(num_classes=3, model_name="vit_tiny_patch16_224", image_size=32, mixup=0.0, cutmix=0.0,
+                model_kwargs=dict(patch_size=8, embed_dim=32, depth=1, num_heads=2))
+
+
+def _save(module: torch.nn.Module, path: Path) -> Path:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny_clip_json) -> dict[str, tuple[torch.nn.Module, Path]]:
+    """A checkpoint of each kind of the table, recording no class (the weights tell the kind)."""
+    from mmssl.models.clip import CLIP
+
+    folder = tmp_path_factory.mktemp("kinds")
+    modules = {"MAE": MAE(**TINY_MAE), "CLIP": CLIP(tiny_clip_json), "ImageClassifier": ImageClassifier(**TINY_VIT)}
+    return {name: (m.eval(), _save(m, folder / f"{name}.ckpt")) for name, m in modules.items()}
+
+
+def test_the_table_covers_every_module_and_every_format_it_lists_has_a_writer(checkpoints):
+    assert sorted(k.name for k in KINDS) == sorted(checkpoints)
+    for kind in KINDS:
+        module, _ = checkpoints[kind.name]
+        assert detect_kind(module.state_dict()) is kind
+        assert load.module_class(kind) is type(module)
+        assert kind_named(kind.name) is kind_named(kind.class_path) is kind_named(f"mmssl.models.{kind.name}") is kind
+        assert set(kind.formats) <= set(FORMATS)
+        if "timm" in kind.formats:  # a file and a folder
+            assert kind.name in TIMM_MODELS and "timm" in EXPORTERS and "timm" in FOLDER_EXPORTERS
+    assert set(TIMM_MODELS) == set(layouts.kinds_for("timm"))
+    assert kind_named("mmssl_evil.Evil") is None
+
+
+def test_a_format_a_kind_cannot_hold_is_refused_naming_its_formats(checkpoints, tmp_path):
+    for kind in KINDS:
+        _, ckpt = checkpoints[kind.name]
+        for format in FORMATS:
+            if format in kind.formats:
+                continue
+            outputs = [tmp_path / f"{kind.name}_{format}"]
+            if format in EXPORTERS:
+                outputs.append(tmp_path / f"{kind.name}_{format}.pth")
+            for out in outputs:
+                with pytest.raises(ValueError, match=f"not a {kind.name} one.*--format {kind.formats[0]}"):
+                    export_checkpoint(str(ckpt), format, str(out))
+                assert not out.exists()
+
+
+def test_image_classifier_exports_to_a_timm_folder_that_timm_loads(checkpoints, tmp_path):
+    module, ckpt = checkpoints["ImageClassifier"]
+    folder = tmp_path / "ft_timm"
+    export_checkpoint(str(ckpt), "timm", str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architecture"] == "vit_tiny_patch16_224" and config["pretrained_cfg"]["tag"] == "mmssl"
+    assert "ImageClassifier.ckpt" in config["pretrained_cfg"]["description"]
+    vit = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(vit(images), module(images), rtol=0, atol=1e-5)
+    assert timm.data.resolve_data_config(model=vit)["mean"] == pytest.approx(module.image_mean)
+
+
+def test_a_folder_export_reads_the_checkpoint_once(checkpoints, tmp_path, monkeypatch):
+    reads = []
+    real = load.read_checkpoint
+    monkeypatch.setattr(load, "read_checkpoint", lambda path, **kw: reads.append(path) or real(path, **kw))
+    export_checkpoint(str(checkpoints["MAE"][1]), "timm", str(tmp_path / "vit"))
+    assert reads == [str(checkpoints["MAE"][1])]
+
+
+def test_fine_tuning_starts_from_every_kind_with_a_vit(checkpoints):
+    mae, mae_ckpt = checkpoints["MAE"]
+    classifier, ft_ckpt = checkpoints["ImageClassifier"]
+    from_mae = ImageClassifier(**TINY_VIT, global_pool="token", init_encoder=str(mae_ckpt))
+    torch.testing.assert_close(from_mae.model.blocks[0].attn.qkv.weight, mae.encoder.blocks[0].attn.qkv.weight)
+    from_ft = ImageClassifier(**TINY_VIT, init_encoder=str(ft_ckpt))  # same head shape: kept
+    torch.testing.assert_close(from_ft.model.head.weight, classifier.model.head.weight)
+    # The same loader fills an MAE's encoder; an avg-pooled classifier has no final norm to give it.
+    with pytest.raises(KeyError, match="ImageClassifier.ckpt.*lacks encoder weights.*norm"):
+        MAE(**TINY_MAE, init_encoder=str(ft_ckpt))
+    with pytest.raises(ValueError, match="CLIP.ckpt.*open_clip's own ViT"):
+        ImageClassifier(**TINY_VIT, init_encoder=str(checkpoints["CLIP"][1]))
