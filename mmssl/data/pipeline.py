@@ -38,7 +38,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from mmssl.data.decode import BadSample, SampleDecoder
 from mmssl.data.plan import EpochPlan, Generation, Piece, ReservoirDraws, Topology, epoch_base, slot_seed, split_base
 from mmssl.data.reading import Health, read_pieces, read_shards
-from mmssl.data.sources import Source, shard_sizes
+from mmssl.data.sources import Source, shard_sizes, sizes_origin
 
 log = logging.getLogger("mmssl.data")
 
@@ -160,8 +160,10 @@ def plan_stream(
     rank_batches = sum(sizes) // (world_size * batch_size)
     if rank_batches == 0:
         raise ValueError(
-            f"{sum(sizes)} samples cannot fill one global batch of ranks x batch_size = {world_size} x "
-            f"{batch_size}: lower data.batch_size, or set data.resampled=true (with data.train_num_samples)")
+            f"{sum(sizes)} samples ({sizes_origin(urls)}) cannot fill one global batch of ranks x batch_size = "
+            f"{world_size} x {batch_size}: lower data.batch_size, or set data.resampled=true (with "
+            "data.train_num_samples); if a sizes.json lists fewer samples than its shards hold, correct it "
+            "(tools/inspect_shards.py counts them)")
     return StreamSpec(sizes=tuple(sizes), rank_batches=rank_batches, **common)
 
 
@@ -173,19 +175,28 @@ def _resampled_urls(sources: Sequence[Source], rng: random.Random) -> Iterator[s
 
 
 def _slot_raw(spec: StreamSpec, pieces: Sequence[Piece], seed: str, health: Health) -> Iterator[dict]:
-    """A slot's shuffled raw samples; further passes only if bad input left it short of batches."""
-    urls, passes = spec.urls, 0
+    """A slot's shuffled raw samples; further passes only if bad input left it short of batches.
+
+    The first pass checks every piece against ``spec.sizes`` (:func:`~mmssl.data.reading.read_pieces`:
+    what a shard lacks or holds beyond its listed size is counted bad); a further pass repeats samples
+    and says so, with how many of the slot's planned samples were bad or missing.
+    """
+    urls, passes, planned = spec.urls, 0, sum(len(p) for p in pieces)
     while True:
         before = health.raw
         draws = ReservoirDraws(seed if not passes else f"{seed}/pass{passes}", spec.shuffle_buffer)
-        yield from draws.shuffle(read_pieces(urls, pieces, health))
+        yield from draws.shuffle(read_pieces(urls, pieces, health, spec.sizes if not passes else None))
         shards = sorted({urls[p.shard] for p in pieces})
         if health.raw == before:
             raise RuntimeError(f"no sample could be read from shards {shards[:5]}"
                                f"{' ...' if len(shards) > 5 else ''}; problems: {health.errors[-3:]}")
+        if not passes:
+            health.check(final=True)  # every planned sample met: the fraction is final
         passes += 1
-        log.warning(f"{health.bad} bad samples left a worker short of batches: it repeats samples of "
-                    f"shards {shards[:3]}{' ...' if len(shards) > 3 else ''} to fill its last batches")
+        log.warning(f"{health.bad} of the {planned} samples planned for this worker this epoch were bad or missing "
+                    f"(named above), within data.max_bad_fraction={spec.max_bad_fraction}: it repeats samples of "
+                    f"shards {shards[:3]}{' ...' if len(shards) > 3 else ''} to fill its last batches (pass "
+                    f"{passes + 1} over them)")
 
 
 def raw_stream(spec: StreamSpec, epoch: int, worker: int, health: Health, plan: Optional[EpochPlan] = None,
@@ -282,6 +293,8 @@ def worker_batches(
         except BadSample as exn:
             health.sample_failed(sample, str(exn))
         if len(batch) == spec.batch_size:
+            if spec.exact and limit == 1:
+                health.check(final=True)  # before the worker's last batch: the run stops in this epoch
             yield collate([out for _, out in batch], worker, position, health.take_pending(), decoder)
             batch = []
             if limit is not None:
