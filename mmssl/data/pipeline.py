@@ -160,8 +160,8 @@ def plan_stream(
     rank_batches = sum(sizes) // (world_size * batch_size)
     if rank_batches == 0:
         raise ValueError(
-            f"{sum(sizes)} samples ({sizes_origin(urls)}) cannot fill one global batch of ranks x batch_size = "
-            f"{world_size} x {batch_size}: lower data.batch_size, or set data.resampled=true (with "
+            f"{sum(sizes)} samples cannot fill one global batch of ranks x batch_size = {world_size} x "
+            f"{batch_size} (samples {sizes_origin(urls)}): lower data.batch_size, or set data.resampled=true (with "
             "data.train_num_samples); if a sizes.json lists fewer samples than its shards hold, correct it "
             "(tools/inspect_shards.py counts them)")
     return StreamSpec(sizes=tuple(sizes), rank_batches=rank_batches, **common)

@@ -24,7 +24,7 @@ from mmssl.data.sources import count_tar, is_local
 log = logging.getLogger("mmssl.data")
 
 # Judge the bad fraction only once a worker has seen this many samples, so that one bad sample
-# among the first few does not stop a run.
+# among the first few does not stop a run (and finally once it has met all its planned samples).
 MIN_SEEN_FOR_FRACTION = 64
 # Tar members webdataset skips (its ``tar_file_iterator`` default), skipped when counting samples too.
 WDS_SKIP_META = r"__[^/]*__($|/)"
@@ -73,7 +73,7 @@ class Health:
         ``final``ly, when the worker's planned samples have all been met."""
         if (final or self.seen >= MIN_SEEN_FOR_FRACTION) and self.bad > self.max_bad_fraction * self.seen:
             raise RuntimeError(
-                f"{self.bad} of {self.seen} samples were bad, more than data.max_bad_fraction="
+                f"{self.bad} of {self.seen} samples were bad or missing, more than data.max_bad_fraction="
                 f"{self.max_bad_fraction}; last problems: {self.errors[-3:]}")
 
     def tar_failed(self, url: str, exn: Exception) -> bool:
