@@ -27,6 +27,10 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=2, help="epochs to plan")
     parser.add_argument("--seed", type=int, default=0, help="data.seed")
     args = parser.parse_args(argv)
+    for flag, value, least in (("--nodes", args.nodes, 1), ("--devices", args.devices, 1), ("--workers", args.workers, 0),
+                               ("--batch-size", args.batch_size, 1), ("--shuffle-buffer", args.shuffle_buffer, 1)):
+        if value < least:
+            parser.error(f"{flag} must be >= {least}, got {value}")
     urls = expand_urls(args.data, must_exist=False)
     try:
         sizes = shard_sizes(urls, scan=False)

@@ -33,3 +33,5 @@ def test_plan_stream_names_a_malformed_sizes_json(tmp_path, capsys):
     (tmp_path / "sizes.json").write_text('{"00000.tar": -100}')
     assert _run("plan_stream.py", "--data", f"{tmp_path}/00000.tar", "--batch-size", "4") == 1
     assert f"{tmp_path / 'sizes.json'}: every value must be a non-negative integer" in capsys.readouterr().err
+    assert _run("plan_stream.py", "--data", f"{tmp_path}/00000.tar", "--batch-size", "4", "--shuffle-buffer", "0") == 2
+    assert "--shuffle-buffer must be >= 1" in capsys.readouterr().err
