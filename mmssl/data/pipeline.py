@@ -10,8 +10,11 @@ decode (bad samples skipped and counted; augmentation drawn per sample) -> batch
   batches, each sample is read at most once, fewer than ``world x batch`` are left out. A slot's
   range may start inside a shard: a local tar is entered there by seeking (headers scanned), other
   URLs are read from the start with the samples before the range dropped undecoded.
-  Only when bad samples leave a worker short does it fill its last batches from a second pass over
-  its own samples (warned).
+  Each piece is checked against ``sizes.json`` as it is read: planned samples a shard does not give
+  (it vanished, became unreadable, holds fewer) and samples it holds beyond its listed size are bad
+  samples, named and counted toward ``max_bad_fraction``. Only when bad samples leave a worker
+  short does it fill its last batches from a second pass over its own samples (warned, with the
+  count of bad or missing samples).
 - **resampled** (open_clip's ``--dataset-resampled``): each worker draws shards with replacement
   (weighted across sources) forever; the nominal epoch is ``num_samples`` samples.
 
