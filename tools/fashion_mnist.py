@@ -29,7 +29,8 @@ import numpy as np
 import webdataset as wds
 from PIL import Image
 
-from mmssl.data.labeled import CLASSNAMES_FILE, NSHARDS_FILE, TEMPLATES_FILE, write_clip_benchmark_files
+from mmssl.data.labeled import write_clip_benchmark_files
+from mmssl.data.shards import prepare_output
 
 DEFAULT_SOURCE = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 # Label order of the idx files (Xiao et al. 2017, github.com/zalandoresearch/fashion-mnist).
@@ -99,7 +100,8 @@ def find_idx(source: str, prefix: str, kind: str) -> str:
     )
 
 
-def write_split(images: np.ndarray, labels: np.ndarray, folder: Path, shard_size: int, seed: int) -> dict[str, int]:
+def write_split(images: np.ndarray, labels: np.ndarray, folder: Path, shard_size: int, seed: int,
+                overwrite: bool = False) -> dict[str, int]:
     """Write one split as shards plus the clip_benchmark side files (class names and templates in
     ``folder``'s parent, the set's root).
 
@@ -109,6 +111,8 @@ def write_split(images: np.ndarray, labels: np.ndarray, folder: Path, shard_size
         folder: the split's folder ``OUTPUT/{split}`` (created).
         shard_size: samples per shard.
         seed: caption-choice seed (the same seed gives byte-identical shards).
+        overwrite: replace an earlier run's shards in ``folder`` (else a folder with shards is
+            refused; no file this tool did not write is deleted, see ``prepare_output``).
 
     Returns:
         ``sizes.json``'s content: samples per shard file name.
@@ -117,9 +121,7 @@ def write_split(images: np.ndarray, labels: np.ndarray, folder: Path, shard_size
         raise ValueError(f"{folder.name}: {len(images)} images but {len(labels)} labels")
     if labels.size and (labels.min() < 0 or labels.max() >= len(CLASSNAMES)):
         raise ValueError(f"{folder.name}: labels outside 0..{len(CLASSNAMES) - 1}")
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in [*folder.glob("*.tar"), *(folder / n for n in (CLASSNAMES_FILE, TEMPLATES_FILE, NSHARDS_FILE))]:
-        old.unlink(missing_ok=True)  # an earlier run's shards and side files
+    prepare_output(str(folder), overwrite)
     rng = random.Random(seed)
     # Fixed mtime, USTAR, as mmssl's demo writer: identical bytes for identical inputs.
     with wds.ShardWriter(str(folder / "%d.tar"), maxcount=shard_size, verbose=0, mtime=0,
@@ -141,7 +143,8 @@ def write_split(images: np.ndarray, labels: np.ndarray, folder: Path, shard_size
     return sizes
 
 
-def convert(source: str, output: str, shard_size: int = 5000, limit: int | None = None, seed: int = 0) -> dict:
+def convert(source: str, output: str, shard_size: int = 5000, limit: int | None = None, seed: int = 0,
+            overwrite: bool = False) -> dict:
     """Convert both splits; returns ``{split: sizes}``.
 
     Args:
@@ -150,6 +153,7 @@ def convert(source: str, output: str, shard_size: int = 5000, limit: int | None 
         shard_size: samples per shard.
         limit: keep only the first ``limit`` samples of each split (quick runs).
         seed: caption seed (the test split uses ``seed + 1``).
+        overwrite: replace the shards an earlier run wrote into ``output``.
     """
     out = {}
     for offset, (split, prefix) in enumerate(SPLITS.items()):
@@ -159,7 +163,7 @@ def convert(source: str, output: str, shard_size: int = 5000, limit: int | None 
             raise ValueError(f"{prefix} images: expected (N, H, W), got shape {images.shape}")
         if limit is not None:
             images, labels = images[:limit], labels[:limit]
-        out[split] = write_split(images, labels, Path(output) / split, shard_size, seed + offset)
+        out[split] = write_split(images, labels, Path(output) / split, shard_size, seed + offset, overwrite)
     return out
 
 
@@ -170,8 +174,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shard-size", type=int, default=5000, help="samples per shard (5000: 12 train and 2 test shards, enough for 2 workers in exact epochs)")
     parser.add_argument("--limit", type=int, help="first N samples per split only")
     parser.add_argument("--seed", type=int, default=0, help="caption seed")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier run's shards in OUTPUT")
     args = parser.parse_args(argv)
-    result = convert(args.source, args.output, args.shard_size, args.limit, args.seed)
+    result = convert(args.source, args.output, args.shard_size, args.limit, args.seed, args.overwrite)
     for split, sizes in result.items():
         print(f"{split}: {sum(sizes.values())} samples in {len(sizes)} shards -> {Path(args.output) / split}")
     return result

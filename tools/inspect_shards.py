@@ -2,8 +2,11 @@
 
     python tools/inspect_shards.py "shards/{00000..00009}.tar" --show 3
 
-Exits with status 1 when a sample or shard is bad; warns (status 0) about shards whose labels or
-captions are nearly constant.
+Checks every sample (the image decodes, the caption is non-empty UTF-8, ``cls`` is a class index
+in [0, 2**63)) and every shard against the ``sizes.json`` beside it (valid JSON mapping shard names
+to non-negative integers, each count equal to the samples the shard holds: training counts a
+difference as bad samples). Exits with status 1 when a sample, shard or ``sizes.json`` is bad; warns
+(status 0) about shards whose labels or captions are nearly constant, or that no ``sizes.json`` lists.
 """
 
 import argparse

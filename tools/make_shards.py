@@ -11,12 +11,15 @@ and a caption from the template, and the output is a clip_benchmark ``wds/`` set
 mmssl's tools both read it. A table has rows ``path,caption[,label]`` and writes its shards to
 ``OUTPUT`` itself (``OUTPUT/{split}`` in the clip_benchmark layout with ``--split``). Samples are
 shuffled across the shards (``--seed``; ``--no-shuffle`` keeps the input order), so no shard
-holds one class. Writes ``sizes.json`` beside the shards.
+holds one class. Writes ``sizes.json`` beside the shards. A folder that already holds shards is
+refused; ``--overwrite`` replaces those an earlier run wrote (the ones its ``sizes.json`` lists) and
+still refuses any other ``.tar``: no file make_shards did not write is deleted.
 """
 
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from mmssl.data.labeled import write_clip_benchmark_files
@@ -35,7 +38,7 @@ def number_shards(folder: str, sizes: dict[str, int]) -> dict[str, int]:
     return renamed
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--folder", help="image folder with one sub-folder per class")
@@ -48,6 +51,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prefix", default="", help="shard file name prefix (not with --split)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the shuffle across shards")
     parser.add_argument("--no-shuffle", action="store_true", help="write samples in input order")
+    parser.add_argument("--overwrite", action="store_true", help="replace the shards an earlier run wrote to OUTPUT")
     args = parser.parse_args(argv)
     names = None
     if args.folder:
@@ -62,15 +66,17 @@ def main(argv=None) -> None:
     if not args.no_shuffle:
         items = shuffled(items, args.seed)
     out = os.path.join(args.output, args.split) if args.split else args.output
-    if args.split:
-        for stale in Path(out).glob("*.tar"):  # an earlier run's shards would be read beside the new
-            stale.unlink()
-    sizes = write_shards(items, out, args.shard_size, args.resize, args.prefix, total=len(items))
+    try:
+        sizes = write_shards(items, out, args.shard_size, args.resize, args.prefix, len(items), args.overwrite)
+    except (FileExistsError, ValueError) as err:
+        print(f"make_shards: {err}", file=sys.stderr)
+        return 1
     if args.split:
         sizes = number_shards(out, sizes)
         write_clip_benchmark_files(args.output, args.split, names, [args.template] if names else None)
     print(f"wrote {sum(sizes.values())} samples in {len(sizes)} shards to {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -27,8 +27,16 @@ def main(argv=None) -> int:
     parser.add_argument("--epochs", type=int, default=2, help="epochs to plan")
     parser.add_argument("--seed", type=int, default=0, help="data.seed")
     args = parser.parse_args(argv)
+    for flag, value, least in (("--nodes", args.nodes, 1), ("--devices", args.devices, 1), ("--workers", args.workers, 0),
+                               ("--batch-size", args.batch_size, 1), ("--shuffle-buffer", args.shuffle_buffer, 1)):
+        if value < least:
+            parser.error(f"{flag} must be >= {least}, got {value}")
     urls = expand_urls(args.data, must_exist=False)
-    sizes = shard_sizes(urls, scan=False)
+    try:
+        sizes = shard_sizes(urls, scan=False)
+    except ValueError as err:  # a malformed sizes.json, named
+        print(f"plan_stream: {err}", file=sys.stderr)
+        return 1
     if sizes is None:
         print(f"no sizes.json lists every shard of {args.data!r}: exact epochs need one "
               "(tools/make_shards.py writes it)", file=sys.stderr)

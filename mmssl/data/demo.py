@@ -71,6 +71,8 @@ DEFAULT_DEMO_DIR = os.path.join(
 )
 # Bump when the generator's output changes, so stale caches are not reused.
 DEMO_VERSION = 3
+# The marker of a demo folder: generation settings, whether it finished, the files it wrote.
+MARKER_FILE = "done.json"
 
 
 @dataclass(frozen=True)
@@ -198,8 +200,11 @@ def ensure_demo_data(
 ) -> DemoData:
     """Generate the demo set into ``root`` unless it is already there, and say where it is.
 
-    A ``done.json`` marker records the generation settings; a folder whose marker differs (other
-    sizes, an older generator) is regenerated, so a cache never silently serves stale data.
+    A ``done.json`` marker records the generation settings and the files written; a folder whose
+    marker differs (other sizes, an older generator) is regenerated, so a cache never silently
+    serves stale data. Only a new or empty folder, or one holding a demo marker, is written to, and
+    regeneration deletes only the files the marker says the generator wrote: a user's own files
+    are never deleted.
 
     Args:
         root: cache folder; default ``~/.cache/mmssl/demo`` (honours ``XDG_CACHE_HOME``).
@@ -211,35 +216,97 @@ def ensure_demo_data(
 
     Returns:
         The paths of the generated splits.
+
+    Raises:
+        FileExistsError: ``root`` is a non-empty folder without a demo marker.
     """
     root_path = Path(root or DEFAULT_DEMO_DIR).expanduser()
     settings = dict(version=DEMO_VERSION, num_train=num_train, num_val=num_val,
                     shard_size=shard_size, image_size=image_size, seed=seed)  # fmt: skip
-    marker = root_path / "done.json"
-    train_dir, eval_dir = root_path / "train", root_path / "val"
-    if not (marker.exists() and json.loads(marker.read_text()) == settings):
-        for d in (train_dir, eval_dir):
-            d.mkdir(parents=True, exist_ok=True)
-            # Older generators' shards and side files: stale names would be read beside the new.
-            for old in [*d.glob("*.tar"), *(d / n for n in (CLASSNAMES_FILE, TEMPLATES_FILE, NSHARDS_FILE))]:
-                old.unlink(missing_ok=True)
+    marker = _read_marker(root_path)
+    if marker is None or not marker.get("complete", True) or {k: marker.get(k) for k in settings} != settings:
+        # Claim the folder before writing into it: an interrupted generation is still a demo folder.
+        files = sorted(set(_written_files(root_path, marker)) | set(_files_of(settings)))
+        _write_marker(root_path, {**settings, "complete": False, "files": files})
+        for name in _written_files(root_path, marker):
+            (root_path / name).unlink(missing_ok=True)  # the previous generation's files, stale names included
         for split, count, split_seed, prefix in (("train", num_train, seed, "t"), ("val", num_val, seed + 1, "v")):
+            (root_path / split).mkdir(parents=True, exist_ok=True)
             pattern = clip_benchmark_shard_pattern(str(root_path), split)
             n = _write_split(pattern, count, shard_size, split_seed, image_size, prefix)
             # sizes.json as open_clip reads it: samples per shard, for the epoch length.
             sizes = {f"{i}.tar": min(shard_size, count - i * shard_size) for i in range(n)}
             (root_path / split / "sizes.json").write_text(json.dumps(sizes))
             write_clip_benchmark_files(str(root_path), split, demo_classnames(), ZERO_SHOT_TEMPLATES)
-        marker.write_text(json.dumps(settings))
-    n_train = len(list(train_dir.glob("*.tar")))
-    n_val = len(list(eval_dir.glob("*.tar")))
+        _write_marker(root_path, {**settings, "complete": True, "files": _files_of(settings)})
+    n_train, n_val = math.ceil(num_train / shard_size), math.ceil(num_val / shard_size)
     return DemoData(
         root=str(root_path),
-        train=str(train_dir / f"{{0..{n_train - 1}}}.tar"),
-        val=str(eval_dir / f"{{0..{n_val - 1}}}.tar"),
-        eval_dir=str(eval_dir),
+        train=str(root_path / "train" / f"{{0..{n_train - 1}}}.tar"),
+        val=str(root_path / "val" / f"{{0..{n_val - 1}}}.tar"),
+        eval_dir=str(root_path / "val"),
         classnames=demo_classnames(),
     )
+
+
+def _files_of(settings: dict) -> list[str]:
+    """Paths (relative to the folder) that a generation with ``settings`` writes."""
+    files = [MARKER_FILE, CLASSNAMES_FILE, TEMPLATES_FILE]
+    for split, count in (("train", settings["num_train"]), ("val", settings["num_val"])):
+        n = math.ceil(count / settings["shard_size"])
+        files += [f"{split}/{i}.tar" for i in range(n)] + [f"{split}/sizes.json", f"{split}/{NSHARDS_FILE}"]
+    return files
+
+
+def _written_files(root: Path, marker: dict | None) -> list[str]:
+    """Files an earlier generation wrote into ``root``, the marker excluded: those the marker
+    lists, else (older generators' markers) the shards their ``sizes.json`` list and the side files."""
+    if marker is None:
+        return []
+    if "files" in marker:
+        return [f for f in marker["files"]  # inside the folder only, whatever the marker says
+                if isinstance(f, str) and f != MARKER_FILE and not Path(f).is_absolute() and ".." not in Path(f).parts]
+    files = [CLASSNAMES_FILE, TEMPLATES_FILE]
+    for split in ("train", "val"):
+        try:
+            listed = json.loads((root / split / "sizes.json").read_text())
+        except (OSError, ValueError):
+            listed = {}
+        names = [n for n in listed if isinstance(n, str) and n.endswith(".tar") and "/" not in n]
+        files += [f"{split}/{n}" for n in names] + [f"{split}/sizes.json", f"{split}/{NSHARDS_FILE}"]
+    return files
+
+
+def _read_marker(root: Path) -> dict | None:
+    """The demo marker of ``root``; ``None`` for a new or empty folder.
+
+    Raises:
+        FileExistsError: ``root`` is not empty and holds no demo marker (or one that is not).
+    """
+    if not root.exists() or (root.is_dir() and not any(root.iterdir())):
+        return None
+    path = root / MARKER_FILE
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        found = "no demo marker" if not path.exists() else f"no demo marker ({path} is not one: {err})"
+        raise FileExistsError(
+            f"{root} is not empty and holds {found}: mmssl writes its demo set only into a new or empty "
+            f"folder, or one it generated before, and deletes no file it did not write. Set "
+            f"data.init_args.demo_dir to another folder, or set data.init_args.train_data to train on "
+            f"your own shards") from None
+    if not isinstance(marker, dict) or not {"version", "num_train", "num_val", "shard_size"} <= set(marker):
+        raise FileExistsError(f"{root} is not empty and {path} is no demo marker (not mmssl's): mmssl writes its "
+                              "demo set only into a new or empty folder, or one it generated before; set "
+                              "data.init_args.demo_dir to another folder")
+    return marker
+
+
+def _write_marker(root: Path, content: dict) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{MARKER_FILE}.tmp"
+    tmp.write_text(json.dumps(content))
+    os.replace(tmp, root / MARKER_FILE)
 
 
 def demo_data(root: str | None = None) -> DemoData:
@@ -248,9 +315,9 @@ def demo_data(root: str | None = None) -> DemoData:
     The data module calls this: a folder a user (or a test) generated with other sizes is used,
     not overwritten with the defaults.
     """
-    marker = Path(root or DEFAULT_DEMO_DIR).expanduser() / "done.json"
-    if marker.exists():
-        settings = json.loads(marker.read_text())
-        settings.pop("version", None)  # an older generator's folder is redrawn at the same sizes
-        return ensure_demo_data(root, **settings)
+    marker = _read_marker(Path(root or DEFAULT_DEMO_DIR).expanduser())
+    if marker is not None:
+        # An older generator's folder is redrawn at the same sizes.
+        keys = ("num_train", "num_val", "shard_size", "image_size", "seed")
+        return ensure_demo_data(root, **{k: marker[k] for k in keys if k in marker})
     return ensure_demo_data(root)

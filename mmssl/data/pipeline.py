@@ -10,8 +10,11 @@ decode (bad samples skipped and counted; augmentation drawn per sample) -> batch
   batches, each sample is read at most once, fewer than ``world x batch`` are left out. A slot's
   range may start inside a shard: a local tar is entered there by seeking (headers scanned), other
   URLs are read from the start with the samples before the range dropped undecoded.
-  Only when bad samples leave a worker short does it fill its last batches from a second pass over
-  its own samples (warned).
+  Each piece is checked against ``sizes.json`` as it is read: planned samples a shard does not give
+  (it vanished, became unreadable, holds fewer) and samples it holds beyond its listed size are bad
+  samples, named and counted toward ``max_bad_fraction``. Only when bad samples leave a worker
+  short does it fill its last batches from a second pass over its own samples (warned, with the
+  count of bad or missing samples).
 - **resampled** (open_clip's ``--dataset-resampled``): each worker draws shards with replacement
   (weighted across sources) forever; the nominal epoch is ``num_samples`` samples.
 
@@ -38,7 +41,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from mmssl.data.decode import BadSample, SampleDecoder
 from mmssl.data.plan import EpochPlan, Generation, Piece, ReservoirDraws, Topology, epoch_base, slot_seed, split_base
 from mmssl.data.reading import Health, read_pieces, read_shards
-from mmssl.data.sources import Source, shard_sizes
+from mmssl.data.sources import Source, shard_sizes, sizes_origin
 
 log = logging.getLogger("mmssl.data")
 
@@ -161,7 +164,9 @@ def plan_stream(
     if rank_batches == 0:
         raise ValueError(
             f"{sum(sizes)} samples cannot fill one global batch of ranks x batch_size = {world_size} x "
-            f"{batch_size}: lower data.batch_size, or set data.resampled=true (with data.train_num_samples)")
+            f"{batch_size} (samples {sizes_origin(urls)}): lower data.batch_size, or set data.resampled=true (with "
+            "data.train_num_samples); if a sizes.json lists fewer samples than its shards hold, correct it "
+            "(tools/inspect_shards.py counts them)")
     return StreamSpec(sizes=tuple(sizes), rank_batches=rank_batches, **common)
 
 
@@ -173,19 +178,28 @@ def _resampled_urls(sources: Sequence[Source], rng: random.Random) -> Iterator[s
 
 
 def _slot_raw(spec: StreamSpec, pieces: Sequence[Piece], seed: str, health: Health) -> Iterator[dict]:
-    """A slot's shuffled raw samples; further passes only if bad input left it short of batches."""
-    urls, passes = spec.urls, 0
+    """A slot's shuffled raw samples; further passes only if bad input left it short of batches.
+
+    The first pass checks every piece against ``spec.sizes`` (:func:`~mmssl.data.reading.read_pieces`:
+    what a shard lacks or holds beyond its listed size is counted bad); a further pass repeats samples
+    and says so, with how many of the slot's planned samples were bad or missing.
+    """
+    urls, passes, planned = spec.urls, 0, sum(len(p) for p in pieces)
     while True:
         before = health.raw
         draws = ReservoirDraws(seed if not passes else f"{seed}/pass{passes}", spec.shuffle_buffer)
-        yield from draws.shuffle(read_pieces(urls, pieces, health))
+        yield from draws.shuffle(read_pieces(urls, pieces, health, spec.sizes if not passes else None))
         shards = sorted({urls[p.shard] for p in pieces})
         if health.raw == before:
             raise RuntimeError(f"no sample could be read from shards {shards[:5]}"
                                f"{' ...' if len(shards) > 5 else ''}; problems: {health.errors[-3:]}")
+        if not passes:
+            health.check(final=True)  # every planned sample met: the fraction is final
         passes += 1
-        log.warning(f"{health.bad} bad samples left a worker short of batches: it repeats samples of "
-                    f"shards {shards[:3]}{' ...' if len(shards) > 3 else ''} to fill its last batches")
+        log.warning(f"{health.bad} of the {planned} samples planned for this worker this epoch were bad or missing "
+                    f"(named above), within data.max_bad_fraction={spec.max_bad_fraction}: it repeats samples of "
+                    f"shards {shards[:3]}{' ...' if len(shards) > 3 else ''} to fill its last batches (pass "
+                    f"{passes + 1} over them)")
 
 
 def raw_stream(spec: StreamSpec, epoch: int, worker: int, health: Health, plan: Optional[EpochPlan] = None,
@@ -282,6 +296,8 @@ def worker_batches(
         except BadSample as exn:
             health.sample_failed(sample, str(exn))
         if len(batch) == spec.batch_size:
+            if spec.exact and limit == 1:
+                health.check(final=True)  # before the worker's last batch: the run stops in this epoch
             yield collate([out for _, out in batch], worker, position, health.take_pending(), decoder)
             batch = []
             if limit is not None:

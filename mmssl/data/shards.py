@@ -22,8 +22,8 @@ import webdataset as wds
 from PIL import Image
 from tqdm import tqdm
 
-from mmssl.data.decode import BadSample, SampleDecoder
-from mmssl.data.sources import expand_urls
+from mmssl.data.decode import BadSample, SampleDecoder, parse_label
+from mmssl.data.sources import SIZES_FILE, expand_urls, is_local, read_sizes_json
 
 # inspect_shards warns about a shard whose most common label or caption covers more than this
 # fraction of its samples (a class-ordered shard: its batches would be nearly one class), once the
@@ -66,6 +66,42 @@ def _encode(path: str, resize: Optional[int]) -> tuple[str, bytes]:
     return "jpg", buf.getvalue()
 
 
+def prepare_output(folder: str, overwrite: bool = False) -> None:
+    """Make ``folder`` ready for new shards, deleting no file that mmssl did not write.
+
+    A folder without ``*.tar`` or ``sizes.json`` is used as it is. One with them is refused, unless
+    ``overwrite``: then the shards its ``sizes.json`` lists (an earlier run's) and that file are
+    deleted, and any other ``*.tar`` (which would be read beside the new shards) is still refused.
+
+    Args:
+        folder: the output folder (created).
+        overwrite: replace an earlier run's shards.
+
+    Raises:
+        FileExistsError: shards are there and ``overwrite`` is off, or some are not an earlier run's.
+        ValueError: its ``sizes.json`` is malformed (with ``overwrite``).
+    """
+    os.makedirs(folder, exist_ok=True)
+    sizes_path = os.path.join(folder, SIZES_FILE)
+    tars = sorted(e for e in os.listdir(folder) if e.endswith(".tar"))
+    if not tars and not os.path.exists(sizes_path):
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"{folder} already holds shards ({len(tars)} .tar files{', a sizes.json' if os.path.exists(sizes_path) else ''}): "
+            "write to another --output, or pass --overwrite to replace the shards an earlier run wrote there")
+    listed = read_sizes_json(sizes_path) if os.path.exists(sizes_path) else {}
+    foreign = [t for t in tars if t not in listed]
+    if foreign:
+        raise FileExistsError(
+            f"{folder}: {foreign[:3]}{' ...' if len(foreign) > 3 else ''} are not listed in its sizes.json, so no "
+            "run of make_shards wrote them, and mmssl deletes no file it did not write: move them away, or write "
+            "to another --output")
+    for name in tars:
+        os.remove(os.path.join(folder, name))
+    os.remove(sizes_path)
+
+
 def write_shards(
     items: Iterable[tuple[str, str, Optional[int]]],
     output: str,
@@ -73,21 +109,23 @@ def write_shards(
     resize: Optional[int] = None,
     prefix: str = "",
     total: Optional[int] = None,
+    overwrite: bool = False,
 ) -> dict[str, int]:
     """Write samples to ``output/{prefix}{00000..}.tar`` and ``output/sizes.json``.
 
     Args:
         items: ``(image path, caption, label or None)``.
-        output: output folder (created).
+        output: output folder (created; refused if it holds shards, see :func:`prepare_output`).
         shard_size: samples per shard.
         resize: short side to shrink larger images to (JPEG re-encode); ``None`` keeps the bytes.
         prefix: shard file name prefix.
         total: number of items, for the progress bar.
+        overwrite: replace the shards an earlier run wrote into ``output``.
 
     Returns:
         Samples per shard file name (what ``sizes.json`` holds).
     """
-    os.makedirs(output, exist_ok=True)
+    prepare_output(output, overwrite)
     pattern = os.path.join(output, f"{prefix}%05d.tar")
     sizes: dict[str, int] = {}
     with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, format=tarfile.USTAR_FORMAT) as sink:
@@ -103,20 +141,32 @@ def write_shards(
     return sizes
 
 
+def label_problem(raw: bytes) -> Optional[str]:
+    """Why a ``cls`` value is no usable class index (``None`` when it is one), by
+    :func:`mmssl.data.decode.parse_label`, the bounds training applies."""
+    try:
+        parse_label(raw, name="cls")
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 def inspect_shards(
     data: str, decoder: Optional[SampleDecoder] = None, show: int = 3
 ) -> tuple[int, list[str], list[dict], list[str]]:
-    """Read every sample of some shards, validating each.
+    """Read every sample of some shards, validating each, and each shard against its ``sizes.json``.
 
     Args:
         data: shard spec (pattern, folder, ...).
         decoder: how samples are checked; default: image decodes, caption is non-empty UTF-8,
-            ``cls`` is an integer.
+            ``cls`` is an integer class index (:func:`label_problem`).
         show: how many good samples to return for printing.
 
     Returns:
         ``(good count, problems, first samples, warnings)``; problems are one line each naming
-        shard and key; warnings name shards whose labels or captions are nearly constant.
+        shard and key, or shard and its ``sizes.json`` (malformed, or a count that differs from the
+        samples the shard holds); warnings name shards whose labels or captions are nearly
+        constant, or that no ``sizes.json`` lists.
     """
     decoder = decoder or SampleDecoder(_identity, tokenizer=list)
     problems: list[str] = []
@@ -129,11 +179,17 @@ def inspect_shards(
         return True
 
     urls = expand_urls(data)
+    listed = _listed_sizes(urls, problems)
     for url in tqdm(urls, desc="checking shards", unit="shard"):
         values: dict[str, Counter] = {"label": Counter(), "caption": Counter()}
+        held = 0
         for sample in wds.tarfile_samples([{"url": url}], handler=lambda e, u=url: on_error(u, e)):
+            held += 1
             try:
                 decoded = decoder(sample)
+                reason = label_problem(sample[decoder.label_key]) if decoder.label_key in sample else None
+                if reason:
+                    raise BadSample(reason)
             except BadSample as exn:
                 problems.append(f"{url} {sample.get('__key__')!r}: {exn}")
                 continue
@@ -143,7 +199,37 @@ def inspect_shards(
             if len(shown) < show:
                 shown.append(_summary(sample))
         warnings += _nearly_constant(url, values)
+        problems += _size_problems(url, held, listed, warnings)
     return good, problems, shown, warnings
+
+
+def _listed_sizes(urls: list[str], problems: list[str]) -> dict[str, Optional[dict[str, int]]]:
+    """Each local folder's ``sizes.json`` (``None``: there is none, or it is malformed: a problem)."""
+    out: dict[str, Optional[dict[str, int]]] = {}
+    for folder in sorted({os.path.dirname(u) for u in urls if is_local(u)}):
+        path = os.path.join(folder, SIZES_FILE)
+        out[folder] = None
+        if os.path.exists(path):
+            try:
+                out[folder] = read_sizes_json(path)
+            except ValueError as err:
+                problems.append(str(err))
+    return out
+
+
+def _size_problems(url: str, held: int, listed: dict[str, Optional[dict[str, int]]], warnings: list[str]) -> list[str]:
+    folder, name = os.path.split(url)
+    sizes = listed.get(folder)
+    if sizes is None:
+        return []
+    if name not in sizes:
+        warnings.append(f"{url}: not listed in {os.path.join(folder, SIZES_FILE)} (exact epochs count its samples "
+                        "at start-up)")
+        return []
+    if sizes[name] != held:
+        return [f"{url}: holds {held} samples, {os.path.join(folder, SIZES_FILE)} lists {sizes[name]} (training "
+                "would count the difference as bad samples; rewrite it with tools/make_shards.py or fix the entry)"]
+    return []
 
 
 def _nearly_constant(url: str, values: dict[str, Counter]) -> list[str]:

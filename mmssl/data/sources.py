@@ -18,6 +18,7 @@ Accepted specs:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tarfile
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ import braceexpand
 from webdataset.tariterators import base_plus_ext
 
 from mmssl.data.folders import IMAGE_EXTENSIONS, folder_shard_size, folder_urls, is_class_folder, is_folder_url
+
+log = logging.getLogger("mmssl.data")
 
 # What the config accepts; jsonargparse validates against this.
 DataSpec = Union[str, list[Union[str, dict[str, Any]]]]
@@ -126,7 +129,7 @@ def parse_sources(spec: DataSpec) -> list[Source]:
     return sources
 
 
-def _count_tar(path: str) -> int:
+def count_tar(path: str) -> int:
     """Samples (distinct keys, webdataset's grouping) in a local tar, reading headers only."""
     keys = set()
     with tarfile.open(path) as tar:
@@ -138,6 +141,47 @@ def _count_tar(path: str) -> int:
     return len(keys)
 
 
+SIZES_FILE = "sizes.json"
+
+
+def read_sizes_json(path: str) -> dict[str, int]:
+    """A ``sizes.json`` (open_clip's convention: shard file name -> samples), validated.
+
+    Args:
+        path: the file.
+
+    Returns:
+        Samples per shard file name.
+
+    Raises:
+        ValueError: the file is not JSON, not a mapping of shard file names to non-negative
+            integers; the message names the file and the first entries at fault.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            sizes = json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON (line {err.lineno} column {err.colno}: {err.msg}); it must map "
+                         'shard file names to samples, {"00000.tar": 10000, ...} (tools/make_shards.py writes one)') from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if not isinstance(sizes, dict):
+        raise ValueError(f"{path} holds a {type(sizes).__name__}, not a mapping of shard file names to samples "
+                         '({"00000.tar": 10000, ...})')
+    bad = [(k, v) for k, v in sizes.items() if type(v) is not int or v < 0]
+    if bad:
+        shown = ", ".join(f"{k!r}: {v!r}" for k, v in bad[:3])
+        raise ValueError(f"{path}: every value must be a non-negative integer (samples in the shard); "
+                         f"{len(bad)} are not: {shown}{' ...' if len(bad) > 3 else ''}")
+    return sizes
+
+
+def _sizes_beside(url: str) -> dict[str, int]:
+    """The validated ``sizes.json`` in a local shard's folder, empty when there is none."""
+    path = os.path.join(os.path.dirname(url), SIZES_FILE)
+    return read_sizes_json(path) if is_local(url) and os.path.exists(path) else {}
+
+
 def shard_sizes(urls: Sequence[str], scan: bool = True) -> Optional[list[int]]:
     """Samples per shard, from the ``sizes.json`` beside the shards (open_clip's convention).
 
@@ -147,6 +191,9 @@ def shard_sizes(urls: Sequence[str], scan: bool = True) -> Optional[list[int]]:
 
     Returns:
         One count per URL, or ``None`` when some shard is neither listed nor countable.
+
+    Raises:
+        ValueError: a ``sizes.json`` that is malformed (:func:`read_sizes_json`).
     """
     sizes, cache = [], {}
     for url in urls:
@@ -155,18 +202,28 @@ def shard_sizes(urls: Sequence[str], scan: bool = True) -> Optional[list[int]]:
             continue
         folder, name = os.path.split(url)
         if folder not in cache:
-            path = os.path.join(folder, "sizes.json")
-            cache[folder] = json.load(open(path)) if is_local(url) and os.path.exists(path) else {}
+            cache[folder] = _sizes_beside(url)
         if name in cache[folder]:
-            sizes.append(int(cache[folder][name]))
+            sizes.append(cache[folder][name])
         elif scan and is_local(url):
             try:
-                sizes.append(_count_tar(url))
-            except (tarfile.TarError, OSError):
-                sizes.append(0)  # unreadable: the stream will skip and count it
+                sizes.append(count_tar(url))
+            except (tarfile.TarError, OSError) as err:
+                log.warning(f"shard {url} cannot be read ({type(err).__name__}: {err}): it is left out of the "
+                            "epoch plan")
+                sizes.append(0)
         else:
             return None
     return sizes
+
+
+def sizes_origin(urls: Sequence[str]) -> str:
+    """Where :func:`shard_sizes` takes the sizes of ``urls`` from, for messages."""
+    files = sorted({os.path.join(os.path.dirname(u), SIZES_FILE) for u in urls if is_local(u) and not is_folder_url(u)})
+    listed = [f for f in files if os.path.exists(f)]
+    if not listed:
+        return "counted in the shards"
+    return f"as listed by {listed[0]}" + (f" and {len(listed) - 1} other sizes.json" if len(listed) > 1 else "")
 
 
 def count_samples(urls: Sequence[str]) -> Optional[int]:

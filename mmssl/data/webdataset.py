@@ -30,6 +30,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS, SampleDecoder, draft_size, trim_text_padding
 from mmssl.data.demo import demo_data
+from mmssl.data.options import check_data_options
 from mmssl.data.pipeline import META_KEYS, ShardStream, StreamSpec, plan_stream
 from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources, shard_sizes
 from mmssl.data.state import EpochLoader, StreamPosition
@@ -146,16 +147,13 @@ class ImageTextDataModule(pl.LightningDataModule):
         max_image_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
-        if num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
-        if not 0.0 <= max_bad_fraction <= 1.0:
-            raise ValueError(f"data.max_bad_fraction must be in [0, 1], got {max_bad_fraction}")
+        check_data_options(batch_size, num_workers, max_bad_fraction, shuffle_buffer, image_size, train_num_samples,
+                           crop_scale, eval_crop_pct, image_mean, image_std,
+                           dict(image_key=image_key, text_key=text_key, label_key=label_key))
         if num_classes is not None and num_classes < 1:
-            raise ValueError(f"data.num_classes must be >= 1 or null, got {num_classes}")
+            raise ValueError(f"data.init_args.num_classes must be >= 1 or null, got {num_classes}")
         if max_image_pixels is not None and max_image_pixels < 1:
-            raise ValueError(f"data.max_image_pixels must be >= 1 or null, got {max_image_pixels}")
+            raise ValueError(f"data.init_args.max_image_pixels must be >= 1 or null, got {max_image_pixels}")
         self.num_classes, self.max_image_pixels = num_classes, max_image_pixels
         self.train_data, self.val_data = train_data, val_data
         self.batch_size, self.num_workers = batch_size, num_workers
@@ -194,7 +192,9 @@ class ImageTextDataModule(pl.LightningDataModule):
                     try:
                         stream = self.build_stream(data, train, rank, world)
                     except (ValueError, FileNotFoundError) as err:
-                        raise type(err)(f"data.{key}={data!r}: {err}") from err
+                        # Not ``type(err)``: some subclasses (json's JSONDecodeError) take other arguments.
+                        cls = FileNotFoundError if isinstance(err, FileNotFoundError) else ValueError
+                        raise cls(f"data.{key}={data!r}: {err}") from err
                     if train:
                         self._report(stream)
                     elif world > 1 and isinstance(self.trainer.strategy, FSDPStrategy):

@@ -1,6 +1,7 @@
 import hashlib
 from pathlib import Path
 
+import pytest
 import webdataset as wds
 
 from mmssl.data.demo import demo_classnames, ensure_demo_data
@@ -48,3 +49,34 @@ def test_existing_demo_is_reused_and_changed_settings_regenerate(tmp_path):
     assert marker.stat().st_mtime_ns == before
     again = ensure_demo_data(root, num_train=12, num_val=4, shard_size=4, image_size=32)
     assert again.train.endswith("{0..2}.tar")
+
+
+def test_demo_generator_refuses_a_users_folder_and_deletes_nothing(tmp_path):
+    from shard_helpers import write_dataset
+
+    from mmssl.data.demo import demo_data
+
+    user = tmp_path / "mine"
+    write_dataset(user / "train", [3])
+    write_dataset(user / "val", [2])
+    (user / "train" / "0.tar").write_bytes((user / "train" / "00000.tar").read_bytes())  # a demo shard's name
+    before = _digest(user)
+    for generate in (lambda: ensure_demo_data(str(user), num_train=8, num_val=4, shard_size=4, image_size=32),
+                     lambda: demo_data(str(user))):
+        with pytest.raises(FileExistsError, match=f"{user}.*not empty.*no demo marker.*data.init_args.demo_dir"):
+            generate()
+        assert _digest(user) == before  # every file byte-identical, none added
+
+
+def test_regenerating_a_demo_folder_deletes_only_what_the_generator_wrote(tmp_path):
+    root = tmp_path / "d"
+    ensure_demo_data(str(root), num_train=12, num_val=4, shard_size=4, image_size=32)
+    (root / "notes.txt").write_text("mine")
+    (root / "train" / "extra.json").write_text("{}")
+    again = ensure_demo_data(str(root), num_train=8, num_val=4, shard_size=4, image_size=32)
+    assert again.train.endswith("{0..1}.tar") and not (root / "train" / "2.tar").exists()  # its own old shard goes
+    assert (root / "notes.txt").read_text() == "mine" and (root / "train" / "extra.json").exists()
+    # A folder whose marker is not a demo marker is not a demo folder.
+    (root / "done.json").write_text("not json")
+    with pytest.raises(FileExistsError, match="done.json"):
+        ensure_demo_data(str(root), num_train=8, num_val=4, shard_size=4, image_size=32)

@@ -71,7 +71,7 @@ def test_bad_labels_are_skipped_counted_and_named_in_training_and_validation(tmp
         assert batch["label"].max() < 3
         module.on_before_batch_transfer(batch, 0)
     assert module.position.skipped >= 3  # a second pass that fills the epoch meets them again
-    with pytest.raises(ValueError, match="data.num_classes must be >= 1"):
+    with pytest.raises(ValueError, match="data.init_args.num_classes must be >= 1"):
         _module(num_classes=0)
 
 
@@ -98,7 +98,7 @@ def test_huge_images_are_bad_samples_measured_from_the_header_never_decoded(tmp_
     # The limit is the key's value; with a smaller one, ordinary images become bad as well.
     with pytest.raises(BadSample, match=r"8x8 image \(64 pixels\) is above max_image_pixels=63"):
         open_image(sample_members(0)[0][1], max_pixels=63)
-    with pytest.raises(ValueError, match="data.max_image_pixels must be >= 1"):
+    with pytest.raises(ValueError, match="data.init_args.max_image_pixels must be >= 1"):
         _module(max_image_pixels=0)
     assert _module(max_image_pixels=None)._decoder(train=False).max_pixels is None  # null: no limit of mmssl's
 

@@ -100,3 +100,66 @@ def test_shards_of_a_class_ordered_folder_mix_classes_in_every_batch(tmp_path, c
     assert _run("inspect_shards.py", str(tmp_path / "ordered/train")) == 0
     out = capsys.readouterr().out
     assert out.count("WARNING") == 20 and "/3.tar: 20 of 20 samples have the label 3" in out
+
+
+def test_make_shards_refuses_a_folder_of_someone_elses_shards(tmp_path, capsys):
+    _images(tmp_path / "imgs")
+    out = tmp_path / "shards"
+    (out / "train").mkdir(parents=True)
+    (out / "train" / "0.tar").write_bytes(b"the user's own shard")
+    (out / "train" / "mine.tar").write_bytes(b"another")
+    args = ["--folder", str(tmp_path / "imgs"), "--output", str(out), "--shard-size", "4"]
+    assert _run("make_shards.py", *args) == 1
+    assert f"{out / 'train'} already holds shards" in capsys.readouterr().err
+    assert (out / "train" / "0.tar").read_bytes() == b"the user's own shard"
+    # --overwrite replaces only the shards an earlier run listed in sizes.json: never a foreign one.
+    assert _run("make_shards.py", *args, "--overwrite") == 1
+    assert "not listed in its sizes.json" in capsys.readouterr().err and (out / "train" / "mine.tar").exists()
+    (out / "train" / "mine.tar").unlink()
+    (out / "train" / "0.tar").unlink()
+    assert _run("make_shards.py", *args) == 0
+    assert _run("make_shards.py", *args, "--shard-size", "6", "--overwrite") == 0  # its own run: replaced
+    assert sorted(p.name for p in (out / "train").glob("*.tar")) == ["0.tar"]
+
+
+def test_inspect_shards_checks_sizes_json_against_the_shards_and_labels_in_range(tmp_path, capsys):
+    from tests.data.shard_helpers import sample_members, write_dataset, write_tar
+
+    write_dataset(tmp_path / "a", [3, 3])
+    (tmp_path / "a" / "sizes.json").write_text(json.dumps({"00000.tar": 1000, "00001.tar": 2}))  # too many, too few
+    assert _run("inspect_shards.py", str(tmp_path / "a")) == 1
+    out = capsys.readouterr().out
+    assert "00000.tar: holds 3 samples" in out and "lists 1000" in out
+    assert "00001.tar: holds 3 samples" in out and "lists 2" in out
+    (tmp_path / "a" / "sizes.json").write_text(json.dumps({"00000.tar": -3, "00001.tar": 3}))
+    assert _run("inspect_shards.py", str(tmp_path / "a")) == 1
+    assert "non-negative integer" in capsys.readouterr().out
+    members = sample_members(0) + sample_members(1, label=99999999999999999999999)
+    members += [(n, b"cat" if n.endswith(".cls") else d) for n, d in sample_members(2)]
+    members += sample_members(3, label=-1)
+    (tmp_path / "b").mkdir()
+    write_tar(tmp_path / "b" / "00000.tar", members)
+    good, problems, _, _ = inspect_shards(str(tmp_path / "b"))
+    assert good == 1 and len(problems) == 3
+    assert "'s00001'" in problems[0] and "overflows int64: 99999999999999999999999" in problems[0]
+    assert "'s00002'" in problems[1] and "not an integer" in problems[1]
+    assert "'s00003'" in problems[2] and "negative: -1" in problems[2]
+
+
+def test_fashion_mnist_writer_refuses_a_folder_of_someone_elses_shards(tmp_path):
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("fashion_mnist_tool", TOOLS / "fashion_mnist.py")
+    fm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fm)
+    folder = tmp_path / "train"
+    folder.mkdir()
+    (folder / "0.tar").write_bytes(b"the user's own shard")
+    images, labels = np.zeros((3, 28, 28), np.uint8), np.array([0, 1, 2])
+    with pytest.raises(FileExistsError, match=f"{folder} already holds shards"):
+        fm.write_split(images, labels, folder, 2, 0)
+    with pytest.raises(FileExistsError, match="not listed in its sizes.json"):
+        fm.write_split(images, labels, folder, 2, 0, overwrite=True)
+    assert (folder / "0.tar").read_bytes() == b"the user's own shard"

@@ -27,3 +27,11 @@ def test_plan_stream_prints_the_plan_without_reading_shards(tmp_path, capsys):
 def test_plan_stream_without_sizes_json_explains(tmp_path, capsys):
     assert _run("plan_stream.py", "--data", f"{tmp_path}/{{00000..00003}}.tar", "--batch-size", "4") == 1
     assert "sizes.json" in capsys.readouterr().err
+
+
+def test_plan_stream_names_a_malformed_sizes_json(tmp_path, capsys):
+    (tmp_path / "sizes.json").write_text('{"00000.tar": -100}')
+    assert _run("plan_stream.py", "--data", f"{tmp_path}/00000.tar", "--batch-size", "4") == 1
+    assert f"{tmp_path / 'sizes.json'}: every value must be a non-negative integer" in capsys.readouterr().err
+    assert _run("plan_stream.py", "--data", f"{tmp_path}/00000.tar", "--batch-size", "4", "--shuffle-buffer", "0") == 2
+    assert "--shuffle-buffer must be >= 1" in capsys.readouterr().err
