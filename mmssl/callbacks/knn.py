@@ -50,7 +50,7 @@ class KNNProbe(pl.Callback):
     ) -> None:
         check_feature(feature)
         if every_n_epochs < 1:
-            raise ValueError(f"KNNProbe: every_n_epochs must be >= 1, got {every_n_epochs}")
+            raise ValueError(f"KNNProbe: init_args.every_n_epochs (its trainer.callbacks entry) must be >= 1, got {every_n_epochs}")
         if k < 1 or temperature <= 0:
             raise ValueError(f"KNNProbe: need k >= 1 and temperature > 0, got k={k}, temperature={temperature}")
         self.train_data, self.val_data, self.feature = train_data, val_data, feature

@@ -72,7 +72,7 @@ class LinearProbe(pl.Callback):
         if method not in METHODS:
             raise ValueError(f"LinearProbe: method must be one of {METHODS}, got {method!r}")
         if every_n_epochs < 1:
-            raise ValueError(f"LinearProbe: every_n_epochs must be >= 1, got {every_n_epochs}")
+            raise ValueError(f"LinearProbe: init_args.every_n_epochs (its trainer.callbacks entry) must be >= 1, got {every_n_epochs}")
         self.train_data, self.val_data = train_data, val_data
         self.feature, self.method, self.layers = feature, method, layers
         self.every_n_epochs, self.batch_size, self.num_workers = every_n_epochs, batch_size, num_workers

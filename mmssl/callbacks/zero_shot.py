@@ -15,7 +15,7 @@ from mmssl.evaluation.zero_shot import build_zero_shot_classifier, zero_shot_eva
 __all__ = ["ZeroShot", "build_zero_shot_classifier"]
 
 # What a command-line user types when zero-shot has no labelled set to score.
-FIX = ("pass --data.val_data LABELLED_SET (webdataset shards with cls beside a classnames.txt, or an "
+FIX = ("Pass --data.val_data LABELLED_SET (webdataset shards with cls beside a classnames.txt, or an "
        "image folder), or, for unlabelled data, train without zero-shot: add "
        "--config configs/demo/no_zero_shot.yaml after configs/demo/clip.yaml")
 
@@ -48,7 +48,7 @@ class ZeroShot(pl.Callback):
         every_n_epochs: int = 1,
     ) -> None:
         if every_n_epochs < 1:
-            raise ValueError(f"ZeroShot: every_n_epochs must be >= 1, got {every_n_epochs}")
+            raise ValueError(f"ZeroShot: init_args.every_n_epochs (its trainer.callbacks entry) must be >= 1, got {every_n_epochs}")
         self.data, self.classnames, self.templates = data, classnames, templates
         self.batch_size, self.num_workers = batch_size, num_workers
         self.every_n_epochs = every_n_epochs
@@ -62,7 +62,7 @@ class ZeroShot(pl.Callback):
             value = getattr(dm, key, None)
             if isinstance(value, str) and value:  # a list of weighted sources is no labelled set
                 return value, f"data.{key}"
-        raise ValueError(f"ZeroShot needs a labelled set and the data module offers none: {FIX}")
+        raise ValueError(f"ZeroShot needs a labelled set and the data module offers none. {FIX}")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every rank checks at start, so a missing set or class list stops all of them at once.
