@@ -11,9 +11,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 
 from mmssl.evaluation.online import run_folder
-from mmssl.perf.meter import count_flops
-
-COMPUTE_FILE = "compute.json"
+from mmssl.flops import COMPUTE_FILE, count_flops
 
 
 def run_info(trainer: pl.Trainer) -> dict[str, float | int]:
@@ -52,7 +50,7 @@ class RunSummary(pl.Callback):
     beside its config.
 
     The first optimizer step of a fresh run (``global_step`` 0) runs under the project's FLOP
-    counter (:func:`mmssl.perf.meter.count_flops`: forward and backward of every micro-batch of
+    counter (:func:`mmssl.flops.count_flops`: forward and backward of every micro-batch of
     the step, math attention), and rank 0 writes ``compute.json`` to the run folder:
     ``flops_per_step`` (this rank's count x world size: data-parallel ranks do the same work),
     ``flops_per_step_per_device``, ``world_size`` and ``global_batch_size``. Training compute up
