@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from mmssl.models._logging import logging_step
+from mmssl.log_cadence import logging_step
 
 
 class NonFiniteGuard(pl.Callback):

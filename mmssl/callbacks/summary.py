@@ -57,6 +57,10 @@ class RunSummary(pl.Callback):
     to step s is then ``flops_per_step * s`` (``tools/scaling_fit.py`` reads it, no model needed).
     A resumed run keeps the file its first start wrote.
 
+    The count is also handed to Lightning's ``ThroughputMonitor`` (``mmssl.callbacks.Throughput``)
+    the way it asks for it, as the module's ``flops_per_batch`` (per device and micro-batch), so
+    it logs FLOP/s; the figure is saved in checkpoints, so a resumed run has it too.
+
     Args:
         count_flops: count and record the FLOPs of the first step (off: no ``compute.json``).
     """
@@ -65,6 +69,23 @@ class RunSummary(pl.Callback):
         self.count_flops = count_flops
         self._counting: Optional[contextlib.ExitStack] = None
         self._counter: Any = None
+        self.flops_per_step_per_device: Optional[int] = None  # counted, or restored from a checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"flops_per_step_per_device": self.flops_per_step_per_device}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.flops_per_step_per_device = state_dict.get("flops_per_step_per_device")
+
+    def _hand_to_throughput(self, trainer: pl.Trainer) -> None:
+        """Set ``flops_per_batch`` on the module (ThroughputMonitor's interface; purely local)."""
+        module = trainer.lightning_module
+        if self.flops_per_step_per_device is not None:
+            module.flops_per_batch = self.flops_per_step_per_device // trainer.accumulate_grad_batches
+        elif self.count_flops and trainer.global_step == 0:
+            # Counted when step 0's last micro-batch is done; ThroughputMonitor looks for the
+            # attribute once, after the first micro-batch, and skips FLOP/s while it is None.
+            module.flops_per_batch = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         # Every rank counts (no collective involved); step 0 only, so a resumed run's steps run
@@ -88,6 +109,8 @@ class RunSummary(pl.Callback):
         self._counting.close()
         self._counting = None
         per_device = int(self._counter.get_total_flops())
+        self.flops_per_step_per_device = per_device
+        self._hand_to_throughput(trainer)
         if not trainer.is_global_zero:
             return
         info = {
@@ -103,6 +126,7 @@ class RunSummary(pl.Callback):
             json.dump(info, f, indent=1)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._hand_to_throughput(trainer)
         info = run_info(trainer)
         for logger in trainer.loggers:
             logger.log_hyperparams({f"run/{k}": v for k, v in info.items()})

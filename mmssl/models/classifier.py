@@ -37,7 +37,7 @@ from mmssl.checkpoints import read_state_dict
 from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD  # MAE util/datasets.py normalisation
 from mmssl.distributed import seed_per_rank
 from mmssl.export import to_timm
-from mmssl.models._logging import logging_step
+from mmssl.log_cadence import logging_step
 from mmssl.optim import warmup_cosine
 
 StateDict = dict[str, Tensor]

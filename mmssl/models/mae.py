@@ -17,6 +17,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from mmssl.distributed import seed_per_rank
+from mmssl.log_cadence import logging_step
 from mmssl.losses import mae_loss
 from mmssl.models.masking import Masking, patchify, sample_noise, unpatchify
 from mmssl.models.vit import (
@@ -27,7 +28,6 @@ from mmssl.models.vit import (
     read_checkpoint,
     sincos_pos_embed_2d,
 )
-from mmssl.models._logging import logging_step
 from mmssl.optim import NDIM_LT_2, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 
 # timm 0.3.2 add_weight_decay, as main_pretrain.py calls it: len(shape) == 1 or name.endswith(".bias").
