@@ -148,6 +148,11 @@ class RunSummary(pl.Callback):
             lines.append(f"  best:        {ckpt.best_model_path}")
         for logger in trainer.loggers:
             lines.append(f"  {type(logger).__name__}: {logger.log_dir}")
+        if what == "fit" and self.flops_per_step_per_device:
+            # The count Lightning's model table cannot show (its FLOPs column needs an
+            # example_input_array and counts a forward pass only).
+            lines.append(f"  compute:     {self.flops_per_step_per_device / 1e9:.3g} GFLOP per step per device "
+                         f"(forward + backward, {COMPUTE_FILE})")
         metrics = {
             k: float(v) for k, v in sorted(trainer.callback_metrics.items())
             if v.numel() == 1 and math.isfinite(float(v))
