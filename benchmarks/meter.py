@@ -83,6 +83,8 @@ class StepTimer(pl.Callback):
             self._counting.close()
             self.flops_per_step = self._counter.get_total_flops()
             self._counting = None
+            # The figure ThroughputMonitor asks for (a config's Throughput callback), per micro-batch.
+            pl_module.flops_per_batch = self.flops_per_step // trainer.accumulate_grad_batches
         _sync(self.device)
         end = time.perf_counter()
         # global_step already counts this step's optimizer update.
@@ -95,6 +97,10 @@ class StepTimer(pl.Callback):
             self.probe.measure()  # before the first timed span opens
             end = time.perf_counter()
         self._last_end = end
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not hasattr(pl_module, "flops_per_batch"):
+            pl_module.flops_per_batch = None  # known after step warmup - 1; ThroughputMonitor waits
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.probe is not None:
@@ -156,20 +162,23 @@ class PeakProbe:
         precision: a Lightning precision string (``32-true``, ``bf16-mixed``, ``16-mixed``...).
         size: matrix side; default 1024 on CPU (bf16/fp16: 512, emulated ~40x slower on CPUs
             without AMX), 8192 on GPU.
-        repeats: timed repeats per :meth:`measure`, after one untimed warm-up matmul.
-        min_time_s: shortest repeat; default 0.2 s on CPU, 0.05 s on GPU.
+        repeats: timed repeats per :meth:`measure`, after one untimed warm-up matmul; default 3
+            on CPU, 5 on GPU.
+        min_time_s: shortest repeat; default 0.1 s on CPU (several 1024-wide matmuls), 0.05 s
+            on GPU (tens of 8192-wide ones).
     """
 
-    def __init__(self, device: torch.device, precision: str, size: Optional[int] = None, repeats: int = 5,
-                 min_time_s: Optional[float] = None) -> None:
+    def __init__(self, device: torch.device, precision: str, size: Optional[int] = None,
+                 repeats: Optional[int] = None, min_time_s: Optional[float] = None) -> None:
+        gpu = device.type == "cuda"
+        repeats = repeats if repeats is not None else (5 if gpu else 3)
         if repeats < 1:
             raise ValueError(f"PeakProbe: repeats must be >= 1, got {repeats}")
         self.device, self.repeats = device, repeats
         self.dtype = autocast_dtype(precision) or torch.float32
-        gpu = device.type == "cuda"
         half = self.dtype in (torch.bfloat16, torch.float16)
         self.size = size or (8192 if gpu else (512 if half else 1024))
-        self.min_time_s = min_time_s if min_time_s is not None else (0.05 if gpu else 0.2)
+        self.min_time_s = min_time_s if min_time_s is not None else (0.05 if gpu else 0.1)
         self.best = 0.0  # FLOP/s of the fastest repeat so far
         self.matmuls_per_repeat: Optional[int] = None
         self.measurements: list[float] = []  # best FLOP/s of each measure() call
@@ -201,15 +210,15 @@ class PeakProbe:
         return fastest
 
 
-def matmul_peak_flops(device: torch.device, precision: str, size: Optional[int] = None, repeats: int = 5,
-                      min_time_s: Optional[float] = None) -> float:
+def matmul_peak_flops(device: torch.device, precision: str, size: Optional[int] = None,
+                      repeats: Optional[int] = None, min_time_s: Optional[float] = None) -> float:
     """One :class:`PeakProbe` measurement: the best FLOP/s of ``repeats`` timed repeats.
 
     Args:
         device: where to measure.
         precision: a Lightning precision string.
         size: matrix side (the probe's default when ``None``).
-        repeats: timed repeats.
+        repeats: timed repeats (the probe's default when ``None``).
         min_time_s: shortest repeat (the probe's default when ``None``).
 
     Returns:

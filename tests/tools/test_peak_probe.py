@@ -52,16 +52,18 @@ class _SleepyProbe:
 def test_probe_runs_before_and_after_the_timed_steps_outside_them():
     probe = _SleepyProbe()
     timer = StepTimer(warmup=1, device=CPU, probe=probe)
-    trainer = SimpleNamespace(global_step=0)
+    trainer, module = SimpleNamespace(global_step=0, accumulate_grad_batches=1), SimpleNamespace()
     batch = {"image": torch.zeros(4, 3, 8, 8)}
+    timer.on_train_start(trainer, module)
     for step in range(4):  # 1 warm-up + 3 timed
-        timer.on_train_batch_start(trainer, None, batch, step)
+        timer.on_train_batch_start(trainer, module, batch, step)
         torch.randn(32, 32) @ torch.randn(32, 32)
         trainer.global_step = step + 1
-        timer.on_train_batch_end(trainer, None, None, batch, step)
+        timer.on_train_batch_end(trainer, module, None, batch, step)
         if step == 0:
             assert len(probe.measurements) == 1  # right after the warm-up step
-    timer.on_train_end(trainer, None)
+    timer.on_train_end(trainer, module)
+    assert module.flops_per_batch == 2 * 32**3  # the counted warm-up step, for ThroughputMonitor
     assert len(probe.measurements) == 2 and len(timer.times.step) == 3
     assert sum(timer.times.step) < 0.2  # neither 0.2 s probe is inside a timed step
 
