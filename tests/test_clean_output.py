@@ -56,3 +56,17 @@ def test_two_demo_steps_print_only_the_warnings_that_matter(tmp_path, tiny_demo,
     assert "val/zero_shot_top1" in out.stdout
     compute = json.loads(next(tmp_path.rglob("compute.json")).read_text())
     assert compute["flops_per_step_per_device"] > 0
+
+
+def test_building_a_clip_drops_only_open_clips_random_init_notice(tiny_clip_json, caplog):
+    import logging
+
+    from mmssl.models.clip import CLIP
+
+    filters = list(logging.getLogger().filters)
+    with caplog.at_level(logging.WARNING):
+        CLIP(model_name=tiny_clip_json)  # weights come later (a checkpoint) or are meant random
+        logging.warning("No pretrained weights loaded for model 'x'. Model initialized randomly.")
+    # Dropped during the model's creation only: the same message logged afterwards still shows.
+    assert [r.getMessage() for r in caplog.records] == ["No pretrained weights loaded for model 'x'. Model initialized randomly."]
+    assert logging.getLogger().filters == filters
