@@ -354,7 +354,7 @@ def format_report(result: dict[str, Any]) -> str:
     lines += [
         f"peak memory ({m['peak_memory_kind']}): {m['peak_memory_bytes'] / 2**20:.0f} MiB",
         f"FLOPs per step: {m['flops_per_step'] / 1e9:.2f} GFLOP; matmul peak at {m['precision']}: "
-        f"{m['matmul_peak_flops'] / 1e9:.1f} GFLOP/s (best of {len(m.get('peak_probes', [])) or 1} probes "
+        f"{m['matmul_peak_flops'] / 1e9:.1f} GFLOP/s (best repeat of {len(m.get('peak_probes', [])) or 1} probes "
         f"around the timed steps); {mfu_line(m)}",
     ]
     return "\n".join(lines)
