@@ -4,7 +4,7 @@
     bash benchmarks/gpu.sh --dry-run       # CPU, fp32, batch 2, 2 steps of each: checks the wiring
 
 Both runs go through ``tools/benchmark.py``'s functions (``mmssl fit``'s own Lightning loop, a
-:class:`~mmssl.perf.meter.StepTimer`), on the recipes' own configs (``configs/mae/vit_base_patch16.yaml``
+``benchmarks/meter.py``'s ``StepTimer``), on the recipes' own configs (``configs/mae/vit_base_patch16.yaml``
 and ``configs/clip/vit_b32.yaml``) cut to one device, on shards this script writes (256-pixel
 JPEGs, img2dataset's usual size, with web-like caption lengths: ``synthetic_shards.py``):
 
@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
 
 from synthetic_shards import write_bench_shards  # noqa: E402
 
-from mmssl.perf.bench import benchmark, format_report  # noqa: E402
+from benchmarks.bench import benchmark, format_report  # noqa: E402
 
 MAE_CONFIG = "configs/mae/vit_base_patch16.yaml"
 CLIP_CONFIG = "configs/clip/vit_b32.yaml"

@@ -9,7 +9,7 @@ Both read the same shards with the same worker count, batch size, 224-pixel outp
 - ``open_clip``: ``open_clip_train.data.get_wds_dataset`` with ``open_clip.image_transform(224,
   is_train=True)`` (RandomResizedCrop scale (0.9, 1), bicubic, ToTensor, Normalize, per sample;
   tokenised per sample), which is what ``open_clip_train.main`` builds; its tar reader gets the
-  end-of-shard fix of :mod:`mmssl.perf.open_clip_peer`.
+  end-of-shard fix of ``benchmarks/open_clip_peer.py``.
 - ``mmssl``: ``ImageTextDataModule.train_dataloader()`` as ``mmssl fit`` on a CPU builds it (crop
   to uint8 per sample, one normalise and one tokenizer call per batch in the worker, reduced-size
   JPEG decode);
@@ -40,9 +40,9 @@ def open_clip_batches(shards: list[str], workers: int, batch_size: int, image_si
     import open_clip
     import open_clip_train.data as data
 
-    from mmssl.perf.open_clip_peer import _eof_free_tar_expander
+    from open_clip_peer import eof_free_tar_expander
 
-    data.tarfile_to_samples_nothrow = _eof_free_tar_expander(data)  # webdataset 1.0's end marker
+    data.tarfile_to_samples_nothrow = eof_free_tar_expander(data)  # webdataset 1.0's end marker
     preprocess = open_clip.image_transform(image_size, is_train=True)
     args = SimpleNamespace(train_data="::".join(shards), dataset_resampled=True, train_num_samples=10**7,
                            train_data_upsampling_factors=None, batch_size=batch_size, workers=workers,

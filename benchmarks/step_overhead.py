@@ -37,6 +37,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks.bench (run as a script, only benchmarks/ is on the path)
 CONFIG = REPO / "configs/fashion_mnist/clip_tiny.yaml"
 MODEL = REPO / "configs/fashion_mnist/clip_tiny_28.json"
 
@@ -112,7 +113,7 @@ def plain_lightning(data: list[dict[str, torch.Tensor]], warmup: int) -> list[fl
 
 
 def mmssl_fit(data: list[dict[str, torch.Tensor]], warmup: int, profile: int = 0) -> tuple[list[float], Optional[str]]:
-    from mmssl.perf.bench import make_cli
+    from benchmarks.bench import make_cli
 
     root = tempfile.mkdtemp(prefix="mmssl_overhead_")
     cli = make_cli(str(CONFIG), [f"--model.init_args.model_name={MODEL}", "--trainer.callbacks=[]",

@@ -20,7 +20,7 @@ from open_clip.loss import ClipLoss, SigLipLoss
 from torch.nn.parallel import DistributedDataParallel
 
 from mmssl.distributed import gather_with_grad, rank, world_size
-from mmssl.evaluation.retrieval import distributed_retrieval_hits, retrieval_metrics
+from mmssl.retrieval import distributed_retrieval_hits, retrieval_metrics
 from mmssl.models.clip import CLIP
 
 WORLD = 2

@@ -6,7 +6,8 @@
         [-- --data.init_args.batch_size=32 ...]
 
 Prints samples/s, step time, the fraction of time waiting for data, peak memory and model FLOP
-utilisation (and a warning when the run is on a CPU in bf16 that runs bf16 slower than fp32);
+utilisation over the device's matmul peak, measured right before and after the timed steps (no
+figure, and a note why, where the model outran that probe), and a warning when the run is on a CPU in bf16 that runs bf16 slower than fp32);
 with --compare-open-clip (CLIP) or --compare-lightly (MAE) also the peer's figures and
 the ratio; with --compare-mask-ratio R the MAE speed-up of the config's mask ratio over R beside
 the FLOP ratio of the two runs.
@@ -17,8 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from mmssl.perf.bench import benchmark, cpu_bf16_warning, format_report
+# The harness lives in benchmarks/ beside the package (mmssl itself never imports it).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench import benchmark, cpu_bf16_warning, format_report  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from mmssl.models._logging import logging_step
+from mmssl.log_cadence import logging_step
 
 
 class NonFiniteGuard(pl.Callback):
@@ -49,9 +49,9 @@ class NonFiniteGuard(pl.Callback):
 
     def __init__(self, max_consecutive: int = 5, check_every_n_steps: Optional[int] = None) -> None:
         if max_consecutive < 1:
-            raise ValueError(f"NonFiniteGuard.max_consecutive must be >= 1, got {max_consecutive}")
+            raise ValueError(f"--nonfinite_guard.max_consecutive must be >= 1, got {max_consecutive}")
         if check_every_n_steps is not None and check_every_n_steps < 1:
-            raise ValueError(f"NonFiniteGuard.check_every_n_steps must be >= 1 or null, got {check_every_n_steps}")
+            raise ValueError(f"--nonfinite_guard.check_every_n_steps must be >= 1 or null, got {check_every_n_steps}")
         self.max_consecutive = max_consecutive
         self.check_every_n_steps = check_every_n_steps
         self.skipped = 0  # exact as of the last host read

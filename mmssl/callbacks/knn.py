@@ -50,7 +50,7 @@ class KNNProbe(pl.Callback):
     ) -> None:
         check_feature(feature)
         if every_n_epochs < 1:
-            raise ValueError(f"KNNProbe: every_n_epochs must be >= 1, got {every_n_epochs}")
+            raise ValueError(f"KNNProbe: init_args.every_n_epochs (its trainer.callbacks entry) must be >= 1, got {every_n_epochs}")
         if k < 1 or temperature <= 0:
             raise ValueError(f"KNNProbe: need k >= 1 and temperature > 0, got k={k}, temperature={temperature}")
         self.train_data, self.val_data, self.feature = train_data, val_data, feature
@@ -68,8 +68,9 @@ class KNNProbe(pl.Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not should_run(trainer, self.every_n_epochs):
             return
+        # Reduced over ranks already, the same keys on every rank: sync_dist's mean keeps the values.
         for name, value in self.evaluate(trainer, pl_module).items():
-            pl_module.log(f"probe/knn_{name}" if name != "skipped" else "probe/skipped", value)
+            pl_module.log(f"probe/knn_{name}" if name != "skipped" else "probe/skipped", value, sync_dist=True)
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
         """Score the model; returns ``{"top1", "top5"}`` reduced over ranks and ``"skipped"`` samples."""

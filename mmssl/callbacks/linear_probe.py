@@ -72,7 +72,7 @@ class LinearProbe(pl.Callback):
         if method not in METHODS:
             raise ValueError(f"LinearProbe: method must be one of {METHODS}, got {method!r}")
         if every_n_epochs < 1:
-            raise ValueError(f"LinearProbe: every_n_epochs must be >= 1, got {every_n_epochs}")
+            raise ValueError(f"LinearProbe: init_args.every_n_epochs (its trainer.callbacks entry) must be >= 1, got {every_n_epochs}")
         self.train_data, self.val_data = train_data, val_data
         self.feature, self.method, self.layers = feature, method, layers
         self.every_n_epochs, self.batch_size, self.num_workers = every_n_epochs, batch_size, num_workers
@@ -99,12 +99,14 @@ class LinearProbe(pl.Callback):
         if not should_run(trainer, self.every_n_epochs):
             return
         results = self.evaluate(trainer, pl_module)
+        # Figures of the whole set, identical on every rank, and every rank logs the same keys:
+        # sync_dist's mean over ranks leaves them as they are and tells Lightning they are global.
         for name, value in results["final"].items():
-            pl_module.log(f"probe/linear_{name}", value)
-        pl_module.log("probe/skipped", float(results["skipped"]))
+            pl_module.log(f"probe/linear_{name}", value, sync_dist=True)
+        pl_module.log("probe/skipped", float(results["skipped"]), sync_dist=True)
         per_block = results.get("blocks", [])
         for i, block in enumerate(per_block, start=1):
-            pl_module.log(f"probe/linear_top1_block{i}", block["top1"])
+            pl_module.log(f"probe/linear_top1_block{i}", block["top1"], sync_dist=True)
         if per_block and trainer.is_global_zero:
             self._plot(trainer, [float(b["top1"]) for b in per_block])
 

@@ -68,14 +68,18 @@ class EmbeddingProjector(pl.Callback):
         dm = trainer.datamodule
         data = self.data or getattr(dm, "eval_data", None) or getattr(dm, "val_data", None)
         if not data:
-            raise ValueError("EmbeddingProjector: set init_args.data to a labelled set (shards with cls, or an image folder)")
+            raise ValueError("EmbeddingProjector needs a labelled set and the data module offers none: pass "
+                             "--data.val_data LABELLED_SET (shards with cls, or an image folder), or set "
+                             "init_args.data in its trainer.callbacks entry")
         return data
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and trainer.limit_val_batches == 0:
             return  # no validation, never called
         if not any(isinstance(logger, TensorBoardLogger) for logger in trainer.loggers):
-            raise ValueError("EmbeddingProjector writes to TensorBoard's projector: the trainer has no TensorBoardLogger")
+            raise ValueError("EmbeddingProjector writes to TensorBoard's projector: the trainer has no "
+                             "TensorBoardLogger; drop --trainer.logger (mmssl's default logs to TensorBoard) or "
+                             "add --trainer.logger+=lightning.pytorch.loggers.TensorBoardLogger")
         check_labelled_set(self._data(trainer), "EmbeddingProjector", "data")
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

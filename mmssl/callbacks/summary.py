@@ -11,9 +11,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 
 from mmssl.evaluation.online import run_folder
-from mmssl.perf.meter import count_flops
-
-COMPUTE_FILE = "compute.json"
+from mmssl.flops import COMPUTE_FILE, count_flops
 
 
 def run_info(trainer: pl.Trainer) -> dict[str, float | int]:
@@ -52,12 +50,16 @@ class RunSummary(pl.Callback):
     beside its config.
 
     The first optimizer step of a fresh run (``global_step`` 0) runs under the project's FLOP
-    counter (:func:`mmssl.perf.meter.count_flops`: forward and backward of every micro-batch of
+    counter (:func:`mmssl.flops.count_flops`: forward and backward of every micro-batch of
     the step, math attention), and rank 0 writes ``compute.json`` to the run folder:
     ``flops_per_step`` (this rank's count x world size: data-parallel ranks do the same work),
     ``flops_per_step_per_device``, ``world_size`` and ``global_batch_size``. Training compute up
     to step s is then ``flops_per_step * s`` (``tools/scaling_fit.py`` reads it, no model needed).
     A resumed run keeps the file its first start wrote.
+
+    The count is also handed to Lightning's ``ThroughputMonitor`` (``mmssl.callbacks.Throughput``)
+    the way it asks for it, as the module's ``flops_per_batch`` (per device and micro-batch), so
+    it logs FLOP/s; the figure is saved in checkpoints, so a resumed run has it too.
 
     Args:
         count_flops: count and record the FLOPs of the first step (off: no ``compute.json``).
@@ -67,6 +69,23 @@ class RunSummary(pl.Callback):
         self.count_flops = count_flops
         self._counting: Optional[contextlib.ExitStack] = None
         self._counter: Any = None
+        self.flops_per_step_per_device: Optional[int] = None  # counted, or restored from a checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"flops_per_step_per_device": self.flops_per_step_per_device}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.flops_per_step_per_device = state_dict.get("flops_per_step_per_device")
+
+    def _hand_to_throughput(self, trainer: pl.Trainer) -> None:
+        """Set ``flops_per_batch`` on the module (ThroughputMonitor's interface; purely local)."""
+        module = trainer.lightning_module
+        if self.flops_per_step_per_device is not None:
+            module.flops_per_batch = self.flops_per_step_per_device // trainer.accumulate_grad_batches
+        elif self.count_flops and trainer.global_step == 0:
+            # Counted when step 0's last micro-batch is done; ThroughputMonitor looks for the
+            # attribute once, after the first micro-batch, and skips FLOP/s while it is None.
+            module.flops_per_batch = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         # Every rank counts (no collective involved); step 0 only, so a resumed run's steps run
@@ -90,6 +109,8 @@ class RunSummary(pl.Callback):
         self._counting.close()
         self._counting = None
         per_device = int(self._counter.get_total_flops())
+        self.flops_per_step_per_device = per_device
+        self._hand_to_throughput(trainer)
         if not trainer.is_global_zero:
             return
         info = {
@@ -105,6 +126,7 @@ class RunSummary(pl.Callback):
             json.dump(info, f, indent=1)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._hand_to_throughput(trainer)
         info = run_info(trainer)
         for logger in trainer.loggers:
             logger.log_hyperparams({f"run/{k}": v for k, v in info.items()})
@@ -126,6 +148,11 @@ class RunSummary(pl.Callback):
             lines.append(f"  best:        {ckpt.best_model_path}")
         for logger in trainer.loggers:
             lines.append(f"  {type(logger).__name__}: {logger.log_dir}")
+        if what == "fit" and self.flops_per_step_per_device:
+            # The count Lightning's model table cannot show (its FLOPs column needs an
+            # example_input_array and counts a forward pass only).
+            lines.append(f"  compute:     {self.flops_per_step_per_device / 1e9:.3g} GFLOP per step per device "
+                         f"(forward + backward, {COMPUTE_FILE})")
         metrics = {
             k: float(v) for k, v in sorted(trainer.callback_metrics.items())
             if v.numel() == 1 and math.isfinite(float(v))

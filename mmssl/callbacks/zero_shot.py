@@ -14,6 +14,11 @@ from mmssl.evaluation.zero_shot import build_zero_shot_classifier, zero_shot_eva
 
 __all__ = ["ZeroShot", "build_zero_shot_classifier"]
 
+# What a command-line user types when zero-shot has no labelled set to score.
+FIX = ("Pass --data.val_data LABELLED_SET (webdataset shards with cls beside a classnames.txt, or an "
+       "image folder), or, for unlabelled data, train without zero-shot: add "
+       "--config configs/demo/no_zero_shot.yaml after configs/demo/clip.yaml")
+
 
 class ZeroShot(pl.Callback):
     """Log zero-shot top-1/top-5 (``val/zero_shot_top1``, ``val/zero_shot_top5``) each validation.
@@ -23,7 +28,8 @@ class ZeroShot(pl.Callback):
 
     Args:
         data: labelled set (shards with ``cls`` or an image folder) with ``classnames.txt``;
-            defaults to the data module's ``eval_data`` (the demo's held-out split).
+            defaults to the data module's ``eval_data`` (the demo's labelled held-out split),
+            else its ``val_data`` (``--data.val_data LABELLED_SET``), as the probes do.
         classnames: class-names file; defaults to ``classnames.txt`` beside the data.
         templates: templates file; defaults to ``zeroshot_classification_templates.txt`` beside
             the data, else CLIP's 80 ImageNet templates.
@@ -42,24 +48,32 @@ class ZeroShot(pl.Callback):
         every_n_epochs: int = 1,
     ) -> None:
         if every_n_epochs < 1:
-            raise ValueError(f"ZeroShot: every_n_epochs must be >= 1, got {every_n_epochs}")
+            raise ValueError(f"ZeroShot: init_args.every_n_epochs (its trainer.callbacks entry) must be >= 1, got {every_n_epochs}")
         self.data, self.classnames, self.templates = data, classnames, templates
         self.batch_size, self.num_workers = batch_size, num_workers
         self.every_n_epochs = every_n_epochs
 
-    def _data(self, trainer: pl.Trainer) -> str:
-        data = self.data or getattr(trainer.datamodule, "eval_data", None)
-        if not data:
-            raise ValueError("ZeroShot: set init_args.data to a labelled set (classnames.txt + shards with cls)")
-        return data
+    def _data(self, trainer: pl.Trainer) -> tuple[str, str]:
+        """The labelled set and the key that set it (for messages)."""
+        if self.data:
+            return self.data, "init_args.data"
+        dm = trainer.datamodule
+        for key in ("eval_data", "val_data"):
+            value = getattr(dm, key, None)
+            if isinstance(value, str) and value:  # a list of weighted sources is no labelled set
+                return value, f"data.{key}"
+        raise ValueError(f"ZeroShot needs a labelled set and the data module offers none. {FIX}")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every rank checks at start, so a missing set or class list stops all of them at once.
         if not will_evaluate(trainer, stage):
             return
-        data = self._data(trainer)
-        check_labelled_set(data, "ZeroShot", "data", need_classnames=self.classnames is None)
-        read_templates(data, self.templates)
+        data, key = self._data(trainer)
+        try:
+            check_labelled_set(data, "ZeroShot", key, need_classnames=self.classnames is None)
+            read_templates(data, self.templates)
+        except (FileNotFoundError, ValueError) as err:
+            raise type(err)(f"{err}. {FIX}") from err
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
@@ -68,11 +82,13 @@ class ZeroShot(pl.Callback):
             return
         for key, value in self.evaluate(trainer, pl_module).items():
             if key != "num_samples":
-                pl_module.log(f"val/zero_shot_{key}", value)
+                # Already reduced over ranks, so identical on every rank (each reaches this call):
+                # sync_dist's mean leaves the figure as it is and tells Lightning so.
+                pl_module.log(f"val/zero_shot_{key}", value, sync_dist=True)
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Tensor]:
         """Score the model; returns ``{"top1", "top5", "num_samples", "skipped"}`` reduced over ranks."""
-        data = self._data(trainer)
+        data, _ = self._data(trainer)
         classnames = read_classnames(data, self.classnames)
         templates = read_templates(data, self.templates)
         transform = eval_transform(pl_module.image_size, pl_module.image_mean, pl_module.image_std)

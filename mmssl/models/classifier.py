@@ -34,7 +34,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD  # MAE util/datasets.py normalisation
 from mmssl.distributed import seed_per_rank
-from mmssl.models._logging import logging_step
+from mmssl.log_cadence import logging_step
 from mmssl.models.vit import load_encoder
 from mmssl.optim import check_warmup, warmup_cosine
 

@@ -26,14 +26,14 @@ from torchmetrics import MeanMetric, MetricCollection
 
 from mmssl.data.decode import trim_text_padding
 from mmssl.distributed import gather_with_grad, rank, seed_per_rank
-from mmssl.evaluation.retrieval import RECALL_AT, distributed_retrieval_hits
+from mmssl.log_cadence import logging_step
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.flip import install_flip_masking
 from mmssl.models.gradcache import cached_features
-from mmssl.models._logging import logging_step
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
-    OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, resolve_model_name, text_padding_is_inert)
+    OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, create_model, resolve_model_name, text_padding_is_inert)
 from mmssl.optim import Phase, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
+from mmssl.retrieval import RECALL_AT, distributed_retrieval_hits
 
 # Initial (logit_scale, logit_bias): CLIP sec. 2.5 (temperature 0.07, no bias); SigLIP sec. 3.2
 # (t' = log 10, b = -10, so training starts near the prior of mostly negative pairs).
@@ -133,7 +133,7 @@ class CLIP(pl.LightningModule):
                 f"got {unmasked_tune_steps}, {unmasked_tune_warmup_steps}, {unmasked_tune_lr_ratio}")
         name = resolve_model_name(model_name)
         init = self._init_kwargs(loss, init_logit_scale, init_logit_bias)
-        self.model = open_clip.create_model(name, pretrained=pretrained, output_dict=True, **init)
+        self.model = create_model(name, pretrained=pretrained, output_dict=True, **init)
         bias = init.get("init_logit_bias")
         if pretrained is not None and bias is not None and not checkpoint_has(pretrained, "logit_bias"):
             # open_clip fills a missing bias with 0 (its issue 712); SigLiT from a CLIP file wants b.

@@ -20,10 +20,11 @@ from torchmetrics import MeanMetric
 from mmssl.checkpoints.read import read_state_dict
 from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from mmssl.distributed import seed_per_rank
+from mmssl.log_cadence import logging_step
 from mmssl.losses import mae_loss
 from mmssl.models.masking import Masking, patchify, sample_noise, unpatchify
+from mmssl.log_cadence import logging_step
 from mmssl.models.vit import LayerNorm, MaskedViT, init_vit_weights, load_encoder, sincos_pos_embed_2d
-from mmssl.models._logging import logging_step
 from mmssl.optim import NDIM_LT_2, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 
 # timm 0.3.2 add_weight_decay, as main_pretrain.py calls it: len(shape) == 1 or name.endswith(".bias").

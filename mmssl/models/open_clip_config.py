@@ -1,16 +1,53 @@
-"""open_clip model configs as mmssl reads them: names or JSON files, tokenizers that never
-download, the text towers whose padding is inert, and open_clip's weight-decay rule."""
+"""open_clip model configs as mmssl reads them: names or JSON files, models built without
+open_clip's random-init notice, tokenizers that never download, the text towers whose padding is
+inert, and open_clip's weight-decay rule."""
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import open_clip
 import torch
 
 from mmssl.checkpoints import read_checkpoint
 from mmssl.optim import NDIM_LT_2
+
+
+RANDOM_INIT_NOTICE = "No pretrained weights loaded for model"
+
+
+class _DropRandomInitNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(RANDOM_INIT_NOTICE)
+
+
+def create_model(name: str, pretrained: Optional[str] = None, **kwargs: Any) -> torch.nn.Module:
+    """``open_clip.create_model(name, pretrained, **kwargs)``, without its random-init notice.
+
+    open_clip warns "No pretrained weights loaded for model ... Model initialized randomly" on
+    the root logger whenever ``pretrained`` is ``None``. In mmssl that is either a fresh run (random
+    initialisation is the point) or a tool or export that loads a checkpoint's weights right
+    after, so the notice would only mislead. That one message is dropped, during this call only;
+    every other open_clip message (and the notice when a ``pretrained`` file is given) stays.
+
+    Args:
+        name: open_clip model name (see :func:`resolve_model_name`).
+        pretrained: local open_clip checkpoint file, or ``None`` for random weights.
+        **kwargs: passed to ``open_clip.create_model``.
+
+    Returns:
+        The open_clip model.
+    """
+    if pretrained is not None:
+        return open_clip.create_model(name, pretrained=pretrained, **kwargs)
+    root, notice = logging.getLogger(), _DropRandomInitNotice()
+    root.addFilter(notice)  # open_clip's factory logs through logging.warning (the root logger)
+    try:
+        return open_clip.create_model(name, pretrained=None, **kwargs)
+    finally:
+        root.removeFilter(notice)
 
 
 def resolve_model_name(model_name: str) -> str:

@@ -18,7 +18,7 @@ from typing import Literal, Optional, Sequence
 import numpy as np
 from scipy.optimize import curve_fit
 
-from mmssl.callbacks.summary import COMPUTE_FILE
+from mmssl.flops import COMPUTE_FILE
 
 
 @dataclass

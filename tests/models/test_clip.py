@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from mmssl.evaluation.retrieval import retrieval_metrics
+from mmssl.retrieval import retrieval_metrics
 from mmssl.models.clip import CLIP
 from mmssl.optim import param_groups
 

@@ -7,6 +7,9 @@ queries at a time (memory ``block x N``), and each rank scores only its own quer
 then summed over ranks like any other metric. Ties are broken by candidate index, as a stable
 descending sort would (open_clip's ``argsort`` leaves them to the sort), so the figure does not
 depend on how the queries were split over ranks.
+
+Ground floor (torch and ``mmssl.distributed``): the CLIP model's validation and the evaluation
+tools both score with it.
 """
 
 from __future__ import annotations

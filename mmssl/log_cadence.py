@@ -1,4 +1,7 @@
-"""When a training step's metrics are kept, so models can skip ``self.log`` calls Lightning drops."""
+"""When a training step's metrics are kept, so models and callbacks skip ``self.log`` calls Lightning drops.
+
+Ground floor (Lightning only): the models and ``callbacks.guards`` both ask it.
+"""
 
 from __future__ import annotations
 

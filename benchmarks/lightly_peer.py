@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmssl.perf.meter import autocast_dtype, current_rss
+from benchmarks.meter import autocast_dtype, current_rss
 
 
 def lightly_mae(hparams: Any) -> nn.Module:

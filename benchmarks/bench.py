@@ -1,6 +1,7 @@
 """Benchmark a config's training step through ``mmssl fit``'s own loop, and against open_clip_train.
 
-``tools/benchmark.py`` is the command line; these functions are its body, importable by tests.
+``tools/benchmark.py`` is the command line; these functions are its body, importable by tests
+(``benchmarks`` is imported with the repository root on ``sys.path``; ``mmssl`` never imports it).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import open_clip
 import torch
 import yaml
 
+from benchmarks.lightly_peer import run_lightly
+from benchmarks.meter import PeakProbe, StepTimer, matmul_peak_flops, model_flop_utilisation, peak_memory
+from benchmarks.open_clip_peer import parse_peer_log, peer_args
 from mmssl.cli import MMSSLCLI
-from mmssl.data.webdataset import expand_urls
-from mmssl.perf.lightly_peer import run_lightly
-from mmssl.perf.meter import StepTimer, matmul_peak_flops, peak_memory
-from mmssl.perf.open_clip_peer import parse_peer_log, peer_args
+from mmssl.data.sources import expand_urls
 
 
 def _model_name(config: str, overrides: list[str]) -> str:
@@ -118,12 +119,12 @@ def run_mmssl(config: str, overrides: list[str], warmup: int, steps: int, root: 
     # with AdamW) when the few timed steps end: throughput only, so no checkpoint is written.
     cli.trainer.callbacks[:] = [c for c in cli.trainer.callbacks if not isinstance(c, ModelCheckpoint)]
     device = cli.trainer.strategy.root_device
-    timer = StepTimer(warmup, device)
+    precision = str(cli.trainer.precision)
+    timer = StepTimer(warmup, device, PeakProbe(device, precision))
     cli.trainer.callbacks.append(timer)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     if len(timer.times.step) < steps:
         raise RuntimeError(f"only {len(timer.times.step)} of {steps} timed steps ran; the data stream ended early")
-    precision = str(cli.trainer.precision)
     out = summarise(timer, device, precision)
     dm = cli.datamodule
     out.update(
@@ -138,13 +139,19 @@ def summarise(timer: StepTimer, device: torch.device, precision: str) -> dict[st
 
     Returns:
         ``samples_per_s``, ``step_time_s`` (median), ``data_wait_fraction``, ``peak_memory_bytes``
-        and its kind, ``flops_per_step``, ``matmul_peak_flops``, ``mfu`` (model FLOP/s over the
-        measured matmul peak at the same precision), ``device``, ``steps``.
+        and its kind, ``flops_per_step``, ``model_flops_per_s``, ``matmul_peak_flops`` (the best
+        repeat of the timer's probe, else one measured now), ``peak_probes`` (each measurement),
+        ``mfu`` (model FLOP/s over that peak at the same precision; ``None`` where it would exceed
+        1: the probe missed the peak), ``device``, ``steps``.
     """
     t = timer.times
     total = sum(t.step)
     kind, mem = peak_memory(device, timer.peak_rss)
-    peak = matmul_peak_flops(device, precision)
+    probe = timer.probe
+    if probe is None or not probe.measurements:
+        probe = PeakProbe(device, precision)
+        probe.measure()
+    peak = probe.best
     flops = timer.flops_per_step or 0
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()} threads"
     return {
@@ -153,8 +160,9 @@ def summarise(timer: StepTimer, device: torch.device, precision: str) -> dict[st
         "step_time_s": sorted(t.step)[len(t.step) // 2],
         "data_wait_fraction": sum(t.data_wait) / total,
         "peak_memory_kind": kind, "peak_memory_bytes": mem,
-        "flops_per_step": flops, "matmul_peak_flops": peak,
-        "mfu": flops * len(t.step) / total / peak,
+        "flops_per_step": flops, "model_flops_per_s": flops * len(t.step) / total,
+        "matmul_peak_flops": peak, "peak_probes": list(probe.measurements),
+        "mfu": model_flop_utilisation(flops, len(t.step), total, peak),
     }
 
 
@@ -169,7 +177,7 @@ def run_open_clip(
     Returns:
         ``samples_per_s``, ``step_time_s``, ``data_wait_fraction``, ``steps``, ``command``.
     """
-    launcher = [sys.executable, "-m", "mmssl.perf.open_clip_peer", "--no-checkpoint"]
+    launcher = [sys.executable, "-m", "benchmarks.open_clip_peer", "--no-checkpoint"]
     name = model_name
     if model_name.endswith(".json"):
         launcher += ["--model-config", model_name]
@@ -179,8 +187,8 @@ def run_open_clip(
         mine["num_workers"], mine["precision"], os.path.join(root, "open_clip_logs"), patch_dropout,
     )
     env = dict(os.environ)
-    # The launcher must import this very mmssl (a worktree may shadow the installed one).
-    package_root = str(Path(__file__).resolve().parents[2])
+    # The launcher is benchmarks.open_clip_peer of this checkout (and imports its mmssl).
+    package_root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     if mine["device_type"] == "cpu" and torch.cuda.is_available():
         env["CUDA_VISIBLE_DEVICES"] = ""  # same device as ours: it picks CUDA whenever it can
@@ -222,7 +230,7 @@ def benchmark(
         flip: mmssl's own FLIP masking (``model.init_args.image_mask_ratio``) against open_clip's
             ``--force-patch-dropout`` at the same ratio.
         compare_lightly: also train lightly's MAE (MAE configs) with the same sizes, data,
-            optimizer and precision (:mod:`mmssl.perf.lightly_peer`); report mmssl / lightly.
+            optimizer and precision (``benchmarks/lightly_peer.py``); report mmssl / lightly.
         compare_mask_ratio: also run mmssl with ``model.init_args.mask_ratio`` at this value
             (e.g. 0.005: one patch in 196 masked, MAE's loss needs one) and report the speed-up of
             the config's ratio over it beside the FLOP ratio of the two, both measured.
@@ -317,7 +325,8 @@ def cpu_bf16_warning(result: dict[str, Any]) -> Optional[str]:
     if m["device_type"] != "cpu" or not str(m["precision"]).startswith("bf16"):
         return None
     cpu = torch.device("cpu")
-    return bf16_advice(matmul_peak_flops(cpu, "32-true", size=256), matmul_peak_flops(cpu, "bf16-mixed", size=256))
+    return bf16_advice(matmul_peak_flops(cpu, "32-true", size=256, repeats=3),
+                       matmul_peak_flops(cpu, "bf16-mixed", size=256, repeats=3))
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -345,6 +354,16 @@ def format_report(result: dict[str, Any]) -> str:
     lines += [
         f"peak memory ({m['peak_memory_kind']}): {m['peak_memory_bytes'] / 2**20:.0f} MiB",
         f"FLOPs per step: {m['flops_per_step'] / 1e9:.2f} GFLOP; matmul peak at {m['precision']}: "
-        f"{m['matmul_peak_flops'] / 1e9:.1f} GFLOP/s; model FLOP utilisation: {m['mfu']:.1%}",
+        f"{m['matmul_peak_flops'] / 1e9:.1f} GFLOP/s (best repeat of {len(m.get('peak_probes', [])) or 1} probes "
+        f"around the timed steps); {mfu_line(m)}",
     ]
     return "\n".join(lines)
+
+
+def mfu_line(m: dict[str, Any]) -> str:
+    """``model FLOP utilisation: X%``, or why there is no figure (the model outran the probe)."""
+    if m["mfu"] is not None:
+        return f"model FLOP utilisation: {m['mfu']:.1%}"
+    return (f"model FLOP utilisation: not reported: the model ran at {m['model_flops_per_s'] / 1e9:.1f} GFLOP/s, "
+            f"above the best matmul the peak probe timed ({m['matmul_peak_flops'] / 1e9:.1f} GFLOP/s), so the "
+            "peak probe is unreliable on this device now (shared or throttling; rerun on an idle device)")

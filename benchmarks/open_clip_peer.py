@@ -1,6 +1,6 @@
 """open_clip_train as the peer: the command that runs it on our shards, and what its log says.
 
-Run as ``python -m mmssl.perf.open_clip_peer [--model-config FILE.json] -- OPEN_CLIP_ARGS``: a small
+Run as ``python -m benchmarks.open_clip_peer [--model-config FILE.json] -- OPEN_CLIP_ARGS``: a small
 launcher that works around what stops open_clip_train 3.3.0 on our set-up without editing the
 installed package:
 
@@ -90,7 +90,7 @@ def parse_peer_log(text: str, warmup: int) -> dict[str, float]:
 
     With ``--log-every-n-steps 1`` its meters are reset after every line, so each line's
     ``Batch (t)`` is one step's wall time (data, forward, backward, optimizer) and ``Data (t)``
-    that step's wait for data, the same spans :class:`mmssl.perf.meter.StepTimer` measures.
+    that step's wait for data, the same spans ``benchmarks/meter.py``'s ``StepTimer`` measures.
 
     Args:
         text: its stdout/stderr.
@@ -117,7 +117,7 @@ def parse_peer_log(text: str, warmup: int) -> dict[str, float]:
     }
 
 
-def _eof_free_tar_expander(data_module) -> Callable:
+def eof_free_tar_expander(data_module) -> Callable:
     from webdataset.tariterators import tar_file_expander, url_opener
 
     def tarfile_to_samples_nothrow(src, handler=data_module.log_and_continue):
@@ -144,7 +144,7 @@ def launch(argv: Optional[list[str]] = None) -> None:
 
     if args.model_config:
         open_clip.add_model_config(args.model_config)
-    data.tarfile_to_samples_nothrow = _eof_free_tar_expander(data)
+    data.tarfile_to_samples_nothrow = eof_free_tar_expander(data)
     if args.no_checkpoint:
         import torch
 
