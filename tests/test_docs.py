@@ -58,12 +58,17 @@ class Command:
         return self.kind, self.script, self.argv
 
 
-def _simple_commands(text: str) -> list[list[str]]:
-    """Shell text -> simple commands (token lists), with variables and for-loops resolved."""
+def _simple_commands(text: str) -> list[tuple[int, list[str]]]:
+    """Shell text -> (line index, tokens) of each simple command, variables and for-loops resolved."""
     variables: dict[str, str] = {}
     commands = []
-    text = re.sub(r"\\\n", " ", text)
-    for line in text.splitlines():
+    logical: list[tuple[int, str]] = []  # lines joined at a trailing backslash
+    for number, line in enumerate(text.splitlines()):
+        if logical and logical[-1][1].endswith("\\"):
+            logical[-1] = (logical[-1][0], logical[-1][1][:-1] + " " + line)
+        else:
+            logical.append((number, line))
+    for number, line in logical:
         lexer = shlex.shlex(line.strip().removeprefix("$ "), posix=True, punctuation_chars=";&|")
         lexer.whitespace_split = True
         lexer.commenters = "#"
@@ -85,7 +90,7 @@ def _simple_commands(text: str) -> list[list[str]]:
             elif current and all(re.fullmatch(r"[A-Za-z_]\w*=.*", t) for t in current):
                 variables.update(t.split("=", 1) for t in current)  # VAR=value on its own
             elif current:
-                commands.append(_expand(current, variables))
+                commands.append((number, _expand(current, variables)))
             current = []
     return commands
 
@@ -147,14 +152,14 @@ def extract(path: Path) -> tuple[list[Command], list[tuple[str, str, str]]]:
                 configs.append((where, base, body))
         elif lang in SHELL_BLOCKS:
             shell_parts.append((match.start(3), body))
-    prose = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    prose = FENCE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)  # same offsets, no blocks
     shell_parts += [(m.start(1), m.group(1)) for m in INLINE.finditer(prose)]
     for offset, body in shell_parts:
-        for tokens in _simple_commands(body):
+        for number, tokens in _simple_commands(body):
             classified = _classify(tokens)
             if classified:
                 kind, script, argv = classified
-                found.append(Command(kind, tuple(argv), script, f"{name}:{_line(text, offset)}"))
+                found.append(Command(kind, tuple(argv), script, f"{name}:{_line(text, offset) + number}"))
     return found, configs
 
 
@@ -295,7 +300,7 @@ def test_extraction_reads_shell_as_a_reader_types_it() -> None:
         "$ python tools/plan_stream.py --data 'x/{0..9}.tar'",
         "pip install -e . && tensorboard --logdir runs",
     ])
-    got = [_classify(tokens) for tokens in _simple_commands(text)]
+    got = [_classify(tokens) for _, tokens in _simple_commands(text)]
     assert [g for g in got if g] == [
         ("mmssl", "", ["fit", "--config", "c.yaml", "--a", "1", "--b", "2", "--trainer.default_root_dir=runs/w$w"]),
         ("tool", "tools/zero_shot.py", ["--ckpt", "runs/x/last.ckpt"]),
