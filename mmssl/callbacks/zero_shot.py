@@ -71,6 +71,7 @@ class ZeroShot(pl.Callback):
         data, key = self._data(trainer)
         try:
             check_labelled_set(data, "ZeroShot", key, need_classnames=self.classnames is None)
+            read_classnames(data, self.classnames)  # an explicit class list is checked here too
             read_templates(data, self.templates)
         except (FileNotFoundError, ValueError) as err:
             raise type(err)(f"{err}. {FIX}") from err

@@ -42,8 +42,10 @@ def default_data(trainer: pl.Trainer, train_data: Optional[str], val_data: Optio
     val = val_data or getattr(dm, "eval_data", None) or getattr(dm, "val_data", None)
     if not train or not val:
         raise ValueError(
-            f"{who}: set init_args.train_data and init_args.val_data to labelled sets (shards with "
-            "cls, or image folders); the data module offers none"
+            f"{who}: the data module offers no labelled training and validation sets: pass "
+            "--data.val_data LABELLED_SET (shards with cls beside a classnames.txt, or an image folder) "
+            "with labelled --data.train_data, or set init_args.train_data and init_args.val_data in "
+            f"its trainer.callbacks entry"
         )
     return train, val
 

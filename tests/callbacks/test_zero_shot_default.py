@@ -62,3 +62,14 @@ def test_the_config_without_zero_shot_trains_unlabelled_shards(tmp_path, tiny_cl
     assert "val/loss" in metrics and "val/i2t_R@1" in metrics
     assert not any("zero_shot" in k for k in metrics)
     assert cli.trainer.global_step == 2
+
+
+def test_an_explicit_class_list_is_checked_before_training(tmp_path, tiny_demo, tiny_clip_json):
+    # A classnames file given to ZeroShot (not the one beside the data) with a blank line in the
+    # middle: refused at start-up, the file and line named, before any step.
+    names = tmp_path / "my_classnames.txt"
+    names.write_text("red circle\n\nblue square\n")
+    with pytest.raises(ValueError, match=r"my_classnames.txt.*line 2"):
+        _fit(tmp_path, tiny_clip_json, "--trainer.callbacks+=mmssl.callbacks.ZeroShot",
+             f"--trainer.callbacks.classnames={names}", f"--trainer.callbacks.data={tiny_demo.eval_dir}")
+    assert not list(tmp_path.rglob("*.ckpt"))
