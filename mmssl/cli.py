@@ -27,7 +27,7 @@ from mmssl.callbacks.summary import RunSummary
 from mmssl.checkpoints import read_checkpoint
 from mmssl.checkpoints.io import AtomicCheckpointIO
 from mmssl.checkpoints.resume import (
-    check_checkpoint, export_plan, is_global_rank_zero, newest_complete, plan_run, run_checkpoints, versions,
+    RUN_ENV, check_checkpoint, export_plan, is_global_rank_zero, newest_complete, plan_run, run_checkpoints, versions,
 )
 from mmssl.signals import install_sigterm_watchdog
 
@@ -85,7 +85,13 @@ class MMSSLCLI(LightningCLI):
 
     def __init__(self, *args: Any, sigterm_watchdog: bool = False, **kwargs: Any) -> None:
         self.sigterm_watchdog = sigterm_watchdog  # read in before_instantiate_classes, during __init__
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            if kwargs.get("run", True):
+                # The run (and the ranks Lightning started for it) is over: a rank started later
+                # by this process, for another run, must not take this run's folder.
+                os.environ.pop(RUN_ENV, None)
 
     def before_instantiate_classes(self) -> None:
         # After parsing, so that `--help` and `--print_config` work whatever the environment holds.

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from mmssl.checkpoints.resume import JOB_FILE, RUN_ENV, export_plan, is_global_rank_zero, plan_run, reserve_folder
-from mmssl.cli import main
+from mmssl.cli import cli_main
 from tests.cli_runs import cli_env
 
 TINY_MAE = {"class_path": "mmssl.models.mae.MAE", "init_args": {
@@ -109,8 +109,9 @@ def test_a_requeue_continues_the_folder_of_its_job_and_nothing_else(tmp_path):
 
 def test_only_rank_zero_reserves_and_lightnings_children_take_its_folder(tmp_path, monkeypatch):
     assert [is_global_rank_zero(e) for e in ({}, {"LOCAL_RANK": "1"}, {"NODE_RANK": "1", "LOCAL_RANK": "0"},
-                                              {"RANK": "0", "LOCAL_RANK": "0"}, {"SLURM_PROCID": "3"})] == [
-        True, False, False, True, False]
+                                              {"RANK": "0", "LOCAL_RANK": "0"}, {"SLURM_PROCID": "3"},
+                                              {"SLURM_PROCID": "0", "LOCAL_RANK": "1"})] == [
+        True, False, False, True, False, False]
     assert reserve_folder(str(tmp_path)) == (str(tmp_path / "version_0"), 0)
     (tmp_path / "version_2").mkdir()  # taken by another run meanwhile
     rank1 = plan_run(str(tmp_path), None, env={"LOCAL_RANK": "1"})
@@ -141,9 +142,10 @@ def test_a_restart_without_a_checkpoint_leaves_the_earlier_run_untouched(trigger
         monkeypatch.setenv("SLURM_JOB_ID", "4242")
     else:
         args.append("--ckpt_path=last")
-    main(args)
+    cli = cli_main(args)
     assert {name: (earlier / name).read_text() for name in files} == files
     run = tmp_path / "runs" / "version_1"
+    assert cli.trainer.default_root_dir == str(run)  # Lightning's SLURM saves (hpc_ckpt_N) go there too
     assert loss_steps(run) == Counter({0: 1, 1: 1}) and yaml.safe_load((run / "config.yaml").read_text())["trainer"]
     captured = capsys.readouterr()
     assert "will be deleted" not in captured.err + captured.out  # a reserved folder is the run's own

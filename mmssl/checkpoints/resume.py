@@ -155,14 +155,10 @@ def _env_int(env: Mapping[str, str], name: str) -> Optional[int]:
 
 
 def is_global_rank_zero(env: Mapping[str, str]) -> bool:
-    """Whether this process is (or will be) global rank 0, from the launcher's variables:
-    ``RANK`` (torchrun), else ``SLURM_PROCID`` (srun), else ``NODE_RANK`` and ``LOCAL_RANK``
-    (Lightning's own launcher, which starts ranks 1.. of each node)."""
-    for name in ("RANK", "SLURM_PROCID"):
-        rank = _env_int(env, name)
-        if rank is not None:
-            return rank == 0
-    return not _env_int(env, "NODE_RANK") and not _env_int(env, "LOCAL_RANK")
+    """Whether this process is (or will be) global rank 0, from the launchers' variables: none
+    of ``RANK`` (torchrun), ``SLURM_PROCID`` (srun), ``NODE_RANK`` and ``LOCAL_RANK``
+    (Lightning's own launcher, which starts ranks 1.. of each node) is set to another rank."""
+    return not any(_env_int(env, name) for name in ("RANK", "SLURM_PROCID", "NODE_RANK", "LOCAL_RANK"))
 
 
 def reserve_folder(root: str, job: Optional[str] = None) -> tuple[str, int]:
