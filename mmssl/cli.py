@@ -24,7 +24,6 @@ from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.log_step import LogStepOnResume
 from mmssl.callbacks.rng_state import RNGState
 from mmssl.callbacks.summary import RunSummary
-from mmssl.checkpoints import read_checkpoint
 from mmssl.checkpoints.io import AtomicCheckpointIO
 from mmssl.checkpoints.resume import (
     RUN_ENV, check_checkpoint, export_plan, is_global_rank_zero, newest_complete, plan_run, run_checkpoints, versions,
@@ -57,7 +56,10 @@ class MMSSLCLI(LightningCLI):
 
     ``trainer.default_root_dir`` (default ``runs``) holds ``version_N`` run folders, each with the
     TensorBoard events, ``metrics.csv``, ``config.yaml`` and ``checkpoints/``, unless the config
-    names its own ``trainer.logger``. The data module takes image size, normalisation and
+    names its own ``trainer.logger``. A fresh run reserves a new folder; ``--ckpt_path last`` or a
+    SLURM requeue continues one only from that folder's own newest complete checkpoint
+    (:func:`mmssl.checkpoints.resume.plan_run`). Checkpoints are replaced atomically
+    (:class:`mmssl.checkpoints.io.AtomicCheckpointIO`). The data module takes image size, normalisation and
     tokenizer from the model.
 
     Each value lives once, on the model; ``link_arguments(apply_on="instantiate")`` hands it to
@@ -170,11 +172,6 @@ def resume_checkpoint(root: str, version: Optional[int], ckpt_path: Optional[str
         found += [os.path.join(d, f) for d in checkpoint_dirs if os.path.isdir(d) for f in os.listdir(d)
                   if re.fullmatch(r"last.*\.ckpt", f)]
     return newest_complete(found)[0]
-
-
-def checkpoint_step(path: str) -> int:
-    """``global_step`` of a Lightning checkpoint (memory-mapped: the weights are not read)."""
-    return int(read_checkpoint(path, mmap=True)["global_step"])
 
 
 def default_loggers(root: str, version: int, resume_step: Optional[int] = None) -> list:

@@ -95,7 +95,8 @@ def test_a_requeue_continues_the_folder_of_its_job_and_nothing_else(tmp_path):
     (tmp_path / "version_0" / JOB_FILE).write_text("100_7\n")
     _ckpt(tmp_path / "version_1" / "checkpoints" / "last.ckpt", 9)  # a later run of another job
     (tmp_path / "version_1" / JOB_FILE).write_text("200\n")
-    requeued = {"SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "7", "SLURM_JOB_ID": "101", "SLURM_RESTART_COUNT": "1"}
+    requeued = {"SLURM_ARRAY_JOB_ID": "100", "SLURM_ARRAY_TASK_ID": "7", "SLURM_JOB_ID": "101",
+                "SLURM_RESTART_COUNT": "1"}
     plan = plan_run(str(tmp_path), None, env=requeued)
     assert (plan.version, plan.ckpt_path, plan.resume_step, plan.continued) == (0, str(mine), 5, True)
     # The same restart count in another job's environment: a new folder, which records that job.
@@ -129,7 +130,8 @@ def test_only_rank_zero_reserves_and_lightnings_children_take_its_folder(tmp_pat
 
 
 @pytest.mark.parametrize("trigger", ["slurm_restart", "ckpt_path_last"])
-def test_a_restart_without_a_checkpoint_leaves_the_earlier_run_untouched(trigger, tmp_path, tiny_demo, monkeypatch, capsys):
+def test_a_restart_without_a_checkpoint_leaves_the_earlier_run_untouched(trigger, tmp_path, tiny_demo, monkeypatch,
+                                                                          capsys):
     earlier = tmp_path / "runs" / "version_0"
     earlier.mkdir(parents=True)
     files = {"metrics.csv": "train/loss,step\n0.5,0\n0.4,1\n", "config.yaml": "earlier: 1\n", "hparams.yaml": "a: 1\n"}
