@@ -91,7 +91,7 @@ def other_mount(tmp_path):
 
 
 def test_a_kill_while_last_ckpt_is_written_keeps_the_previous_one_and_last_resumes_from_the_newest(
-        tmp_path, tiny_demo, other_mount):
+        tmp_path, tiny_demo, other_mount, capsys):
     _strace()
     root = other_mount / "runs"
     config = tiny_config(tmp_path, tiny_demo.root, max_steps=6)
@@ -107,7 +107,10 @@ def test_a_kill_while_last_ckpt_is_written_keeps_the_previous_one_and_last_resum
     assert read_checkpoint(str(ckpts / "last.ckpt"))["global_step"] == 2  # the previous one, whole
     assert read_checkpoint(str(ckpts / "epoch=0-step=4.ckpt"))["global_step"] == 4
 
+    capsys.readouterr()
     main(["fit", "--config", config, f"--trainer.default_root_dir={root}", "--ckpt_path=last"])
+    said = capsys.readouterr().err
+    assert f"resuming from {ckpts / 'epoch=0-step=4.ckpt'} (global_step 4), continuing {root / 'version_0'}" in said
     assert sorted(p.name for p in root.iterdir()) == ["version_0"]  # continued in its folder
     assert read_checkpoint(str(ckpts / "last.ckpt"))["global_step"] == 6
     assert set(loss_steps(root / "version_0")) >= {4, 5} and max(loss_steps(root / "version_0").values()) == 1

@@ -88,6 +88,10 @@ def test_last_on_a_root_whose_latest_run_has_no_checkpoint_opens_a_new_folder(tm
     plan = plan_run(str(tmp_path), "last", env={})
     assert (plan.version, plan.ckpt_path, plan.continued) == (2, None, False)
     assert "no complete checkpoint in the latest run folder" in plan.notes[0]
+    # A configured ModelCheckpoint(dirpath=...) is outside every run folder: resumed in a new one.
+    shared = _ckpt(tmp_path / "shared" / "last.ckpt", 3)
+    plan = plan_run(str(tmp_path), "last", [str(shared.parent)], env={})
+    assert (plan.version, plan.ckpt_path, plan.resume_step, plan.continued) == (3, str(shared), 3, False)
 
 
 def test_a_requeue_continues_the_folder_of_its_job_and_nothing_else(tmp_path):

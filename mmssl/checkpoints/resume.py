@@ -197,16 +197,17 @@ def _job_folders(root: str, job: str) -> list[int]:
 
 def _resume_in(root: str, candidates: list[int], extra: Sequence[str], hpc_only: bool,
                notes: list[str]) -> Optional[RunPlan]:
-    """The plan continuing the first of ``candidates`` with a complete checkpoint, or one
-    resuming from the newest complete of ``extra`` (outside any run folder) in a new folder."""
-    for version in candidates:
-        folder = os.path.join(root, f"version_{version}")
-        own = run_checkpoints(folder, hpc_only)
-        path, step, passed = newest_complete([*own, *extra])
+    """The plan continuing the first of the ``candidates`` folders that has a complete checkpoint;
+    a newer complete one of ``extra`` (outside the run folders) is resumed in a new folder.
+    ``None`` when none reads."""
+    tried = [(v, run_checkpoints(os.path.join(root, f"version_{v}"), hpc_only)) for v in candidates]
+    for i, (version, own) in enumerate(tried or [(None, [])]):
+        path, step, passed = newest_complete([*own, *(extra if i == 0 else ())])
         notes += passed
+        if path is not None and path in own:
+            return RunPlan(os.path.join(root, f"version_{version}"), version, path, step, continued=True)
         if path is not None:
-            return RunPlan(folder, version, path, step, continued=path in own, notes=notes)
-        extra = ()
+            return RunPlan("", -1, path, step)
     return None
 
 
@@ -258,7 +259,7 @@ def plan_run(root: str, ckpt_path: Optional[str], checkpoint_dirs: Sequence[str]
         if plan is None:
             notes.append(f"--ckpt_path last: no complete checkpoint in the latest run folder of {root}: "
                          "starting at step 0 in a new run folder")
-        elif not (fit and plan.continued):
+        elif not fit:  # validate/test/predict write their own folder
             plan = RunPlan("", -1, plan.ckpt_path, plan.resume_step)
     if plan is None:
         plan = RunPlan("", -1)
@@ -269,6 +270,9 @@ def plan_run(root: str, ckpt_path: Optional[str], checkpoint_dirs: Sequence[str]
         else:  # not created here: Lightning broadcasts rank 0's folder where files are written
             plan.version = (versions(root) or [0])[-1]
             plan.folder = os.path.join(root, f"version_{plan.version}")
+    if plan.resume_step is not None and plan.ckpt_path != ckpt_path:
+        where = "continuing" if plan.continued else "in the new run folder"
+        notes.append(f"resuming from {plan.ckpt_path} (global_step {plan.resume_step}), {where} {plan.folder}")
     return plan
 
 
