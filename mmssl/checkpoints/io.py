@@ -24,13 +24,12 @@ import os
 import re
 import secrets
 import socket
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.plugins import TorchCheckpointIO
 
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 
@@ -134,7 +133,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ``CheckpointIO`` (in ``trainer.plugins`` or the strategy's ``checkpoint_io``).
     """
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH,
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Union[str, os.PathLike],
                         storage_options: Optional[Any] = None) -> None:
         """Save ``checkpoint`` to ``path``, replacing any file there only once the new one is whole.
 
