@@ -18,12 +18,16 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
 from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.log_step import LogStepOnResume
 from mmssl.callbacks.rng_state import RNGState
 from mmssl.callbacks.summary import RunSummary
-from mmssl.checkpoints import read_checkpoint
+from mmssl.checkpoints.io import AtomicCheckpointIO
+from mmssl.checkpoints.resume import (
+    RUN_ENV, check_checkpoint, export_plan, is_global_rank_zero, newest_complete, plan_run, run_checkpoints, versions,
+)
 from mmssl.signals import install_sigterm_watchdog
 
 
@@ -56,7 +60,10 @@ class MMSSLCLI(LightningCLI):
 
     ``trainer.default_root_dir`` (default ``runs``) holds ``version_N`` run folders, each with the
     TensorBoard events, ``metrics.csv``, ``config.yaml`` and ``checkpoints/``, unless the config
-    names its own ``trainer.logger``. The data module takes image size, normalisation and
+    names its own ``trainer.logger``. A fresh run reserves a new folder; ``--ckpt_path last`` or a
+    SLURM requeue continues one only from that folder's own newest complete checkpoint
+    (:func:`mmssl.checkpoints.resume.plan_run`). Checkpoints are replaced atomically
+    (:class:`mmssl.checkpoints.io.AtomicCheckpointIO`). The data module takes image size, normalisation and
     tokenizer from the model.
 
     Each value lives once, on the model; ``link_arguments(apply_on="instantiate")`` hands it to
@@ -83,73 +90,100 @@ class MMSSLCLI(LightningCLI):
         # Always on: a resumed run logs at the uninterrupted run's steps (a Lightning restart quirk).
         parser.add_lightning_class_args(LogStepOnResume, "log_step_on_resume")
 
+    def __init__(self, *args: Any, sigterm_watchdog: bool = False, **kwargs: Any) -> None:
+        self.sigterm_watchdog = sigterm_watchdog  # read in before_instantiate_classes, during __init__
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            if kwargs.get("run", True):
+                # The run (and the ranks Lightning started for it) is over: a rank started later
+                # by this process, for another run, must not take this run's folder.
+                os.environ.pop(RUN_ENV, None)
+
+    def before_instantiate_classes(self) -> None:
+        # After parsing, so that `--help` and `--print_config` work whatever the environment holds.
+        if self.sigterm_watchdog:
+            install_sigterm_watchdog()  # SIGTERM ends the run even when a rank is stuck in a collective
+
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
         config = self._get(self.config_init, "trainer", default={})
+        ckpt_path = self._get(self.config_init, "ckpt_path")
         if config.get("logger") in (None, True) and "logger" not in kwargs:
-            # Resuming (`--ckpt_path last`, or a SLURM requeue) continues in the latest run folder,
-            # where its checkpoints are; a fresh run opens the next version_N.
             root = config.get("default_root_dir") or "runs"
-            ckpt_path = self._get(self.config_init, "ckpt_path")
-            requeued = os.environ.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
-            resume = ckpt_path in ("last", "hpc") or requeued
-            resume_step = None
-            if resume:
-                callbacks = config.get("callbacks") or []
-                callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
-                dirs = [cb.dirpath for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-                found = resume_checkpoint(root, latest_version(root), "hpc" if requeued and ckpt_path is None else ckpt_path, dirs)
-                resume_step = checkpoint_step(found) if found else 0  # none: Lightning starts again at 0
-            kwargs["logger"] = default_loggers(root, resume, resume_step)
+            callbacks = config.get("callbacks") or []
+            callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+            dirs = [cb.dirpath for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+            plan = plan_run(root, ckpt_path, dirs, fit=self.subcommand == "fit")
+            if is_global_rank_zero(os.environ):
+                for note in plan.notes:
+                    print(f"mmssl: {note}", file=sys.stderr, flush=True)
+            export_plan(plan)
+            if plan.ckpt_path != ckpt_path:
+                self.config_init.get(str(self.subcommand), self.config_init)["ckpt_path"] = plan.ckpt_path
+            kwargs["logger"] = default_loggers(root, plan.version, plan.resume_step if plan.continued else None)
+            # Lightning's SLURM handler saves hpc_ckpt_N.ckpt into default_root_dir, and on SLURM
+            # resumes from the newest one there by itself: the run folder keeps them to its run.
+            kwargs["default_root_dir"] = plan.folder
+        elif isinstance(ckpt_path, str) and os.path.isfile(ckpt_path):
+            check_checkpoint(ckpt_path)  # a truncated file is named, not a bare EOFError
         trainer = super().instantiate_trainer(**kwargs)
+        if not _configured_checkpoint_io(config, self._get(self.config, "trainer", default={})) and \
+                type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         # LogStepOnResume first: callbacks that log in on_train_batch_start (LearningRateMonitor)
         # must see its correction of the logging step.
         trainer.callbacks.sort(key=lambda callback: not isinstance(callback, LogStepOnResume))
         return trainer
 
 
+def _configured_checkpoint_io(trainer_init: Any, trainer_config: Any) -> bool:
+    """Whether the config names a ``CheckpointIO``: in ``trainer.plugins`` or as the strategy's
+    ``checkpoint_io`` (such a choice wins over mmssl's :class:`AtomicCheckpointIO`)."""
+    plugins = trainer_init.get("plugins") or []
+    if any(isinstance(p, CheckpointIO) for p in (plugins if isinstance(plugins, list) else [plugins])):
+        return True
+    strategy = trainer_config.get("strategy")
+    init_args = strategy.get("init_args") if hasattr(strategy, "get") else None
+    return bool(init_args is not None and init_args.get("checkpoint_io"))
+
+
 def latest_version(root: str) -> Optional[int]:
     """Highest N of the ``version_N`` folders in ``root``, ``None`` if there is none."""
-    found = [int(m.group(1)) for d in os.listdir(root) if (m := re.fullmatch(r"version_(\d+)", d))] if os.path.isdir(root) else []
-    return max(found) if found else None
+    found = versions(root)
+    return found[-1] if found else None
 
 
 def resume_checkpoint(root: str, version: Optional[int], ckpt_path: Optional[str],
                       checkpoint_dirs: Sequence[str] = ()) -> Optional[str]:
-    """The file Lightning resumes from for ``ckpt_path`` in mmssl's run-folder layout, if any.
+    """The file a run resumes from for ``ckpt_path`` in mmssl's run-folder layout, if any.
 
     Args:
         root: ``trainer.default_root_dir``.
-        version: N of the run folder ``{root}/version_N`` being continued.
-        ckpt_path: ``last``: the newest ``last*.ckpt`` in ``{root}/version_N/checkpoints``
-            (where ``ModelCheckpoint`` writes by default) or in ``checkpoint_dirs``, as
-            Lightning picks it; ``hpc``: ``{root}/hpc_ckpt_{highest}.ckpt``, as Lightning's SLURM
-            handler names them; any other value is a path, returned when it exists.
+        version: N of the run folder ``{root}/version_N`` looked in.
+        ckpt_path: ``last``: the newest complete checkpoint of ``{root}/version_N`` (its
+            ``checkpoints/`` and ``hpc_ckpt_*.ckpt``) or ``last*.ckpt`` of ``checkpoint_dirs``; ``hpc``: the
+            newest complete ``{root}/version_N/hpc_ckpt_*.ckpt``; any other value is a path,
+            returned when it exists.
         checkpoint_dirs: ``dirpath`` of the configured ``ModelCheckpoint`` callbacks that set one.
 
     Returns:
         The checkpoint's path, ``None`` when there is none (Lightning then starts at step 0).
     """
-    if ckpt_path == "hpc":
-        found = [int(m.group(1)) for f in os.listdir(root) if (m := re.fullmatch(r"hpc_ckpt_(\d+)\.ckpt", f))] if os.path.isdir(root) else []
-        return os.path.join(root, f"hpc_ckpt_{max(found)}.ckpt") if found else None
+    if ckpt_path not in ("last", "hpc"):
+        return ckpt_path if ckpt_path and os.path.isfile(ckpt_path) else None
+    folder = os.path.join(root, f"version_{version}")
+    found = run_checkpoints(folder, hpc_only=ckpt_path == "hpc") if version is not None else []
     if ckpt_path == "last":
-        folders = [*checkpoint_dirs, *([os.path.join(root, f"version_{version}", "checkpoints")] if version is not None else [])]
-        last = [os.path.join(d, f) for d in folders if os.path.isdir(d) for f in os.listdir(d) if re.fullmatch(r"last.*\.ckpt", f)]
-        return max(last, key=os.path.getmtime) if last else None
-    return ckpt_path if ckpt_path and os.path.isfile(ckpt_path) else None
+        found += [os.path.join(d, f) for d in checkpoint_dirs if os.path.isdir(d) for f in os.listdir(d)
+                  if re.fullmatch(r"last.*\.ckpt", f)]
+    return newest_complete(found)[0]
 
 
-def checkpoint_step(path: str) -> int:
-    """``global_step`` of a Lightning checkpoint (memory-mapped: the weights are not read)."""
-    return int(read_checkpoint(path, mmap=True)["global_step"])
+def default_loggers(root: str, version: int, resume_step: Optional[int] = None) -> list:
+    """TensorBoard and CSV loggers writing into one run folder, ``{root}/version_{version}``.
 
-
-def default_loggers(root: str, resume: bool = False, resume_step: Optional[int] = None) -> list:
-    """TensorBoard and CSV loggers writing into one run folder, ``{root}/version_N``.
-
-    Each logger would pick the next free ``version_N`` on its own, and they can disagree (the
-    first creates its folder before the second looks), so the CSV logger takes TensorBoard's.
-    Checkpoints and the saved config follow the first logger, so a run is one folder.
+    The folder is chosen (reserved, or continued) by :func:`mmssl.checkpoints.resume.plan_run`;
+    checkpoints and the saved config follow the first logger, so a run is one folder.
 
     A resumed run continues its folder's logs from the checkpoint's step: Lightning logs the
     metrics of the step that makes ``global_step`` ``k`` at step ``k - 1``, so what the killed run
@@ -160,42 +194,45 @@ def default_loggers(root: str, resume: bool = False, resume_step: Optional[int] 
 
     Args:
         root: the folder of run folders (``trainer.default_root_dir``).
-        resume: reuse the latest ``version_N`` (its ``checkpoints/last.ckpt`` is what
-            ``--ckpt_path last`` finds) instead of opening a new one.
-        resume_step: ``global_step`` of the checkpoint the run resumes from (0 when there is
-            none: the run starts again in the same folder); ``None`` for a fresh run.
+        version: N of the run folder.
+        resume_step: ``global_step`` of the checkpoint of this folder the run resumes from;
+            ``None`` for a run starting in a new folder.
 
     Returns:
         ``[TensorBoardLogger, CSVLogger]``.
     """
-    version = latest_version(root) if resume else None
-    continued = resume and version is not None and resume_step is not None
+    continued = resume_step is not None
     # Every run's events start with a SessionLog.START at its first step: TensorBoard's Python
     # loader takes a run's first START for its beginning and purges on later ones only, so a
     # fresh run writes one at 0 for the START of a resume to purge (the Rust loader purges on
     # any). On resume, no second placeholder ``hp_metric`` at step 0 (Lightning logs one per run).
     resumed = {"purge_step": resume_step, "default_hp_metric": False} if continued else {"purge_step": 0}
     tensorboard = TensorBoardLogger(save_dir=root, name="", version=version, **resumed)
-    csv_logger = ContinuedCSVLogger(save_dir=root, name="", version=tensorboard.version,
-                                    resume_step=resume_step if continued else None)
+    csv_logger = ContinuedCSVLogger(save_dir=root, name="", version=version, resume_step=resume_step)
     return [tensorboard, csv_logger]
 
 
 class _ContinuedWriter(ExperimentWriter):
     """Lightning's CSV writer, keeping the rows of ``metrics.csv`` logged before ``resume_step``.
 
-    Lightning's writer deletes an existing ``metrics.csv``; this one rewrites it with the rows at
-    steps ``< resume_step`` and appends after them. Its header becomes the known keys, so a key
-    first logged after the resume rewrites the file with the union of both runs' keys.
+    Lightning's writer warns that a non-empty folder's logs "will be deleted" and deletes an
+    existing ``metrics.csv``. A fresh run's folder is its own (reserved empty), so this one says
+    nothing there, and refuses to replace a ``metrics.csv`` it finds; given ``resume_step`` it
+    rewrites the file with the rows at steps ``< resume_step`` and appends after them. Its header
+    becomes the known keys, so a key first logged after the resume rewrites the file with the
+    union of both runs' keys.
     """
 
-    def __init__(self, log_dir: str, resume_step: int) -> None:
+    def __init__(self, log_dir: str, resume_step: Optional[int]) -> None:
         self.resume_step = resume_step
         super().__init__(log_dir)
 
-    def _check_log_dir_exists(self) -> None:  # called by __init__ instead of deleting the file
+    def _check_log_dir_exists(self) -> None:  # called by __init__ instead of warning and deleting
         if not self._fs.isfile(self.metrics_file_path):
             return
+        if self.resume_step is None:
+            raise FileExistsError(f"{self.metrics_file_path} exists: a run that does not resume from this "
+                                  "folder's checkpoint does not overwrite its logs")
         with self._fs.open(self.metrics_file_path, "r", newline="") as file:
             reader = csv.DictReader(file)
             keys = list(reader.fieldnames or [])
@@ -213,7 +250,8 @@ class ContinuedCSVLogger(CSVLogger):
     Args:
         resume_step: ``global_step`` of the checkpoint being resumed: rows logged at this step
             or later (by the run that was interrupted) are dropped, earlier rows kept, new rows
-            appended. ``None``: a fresh log, as ``CSVLogger``.
+            appended. ``None``: a fresh log in a folder without one (an existing
+            ``metrics.csv`` is an error, not deleted).
         **kwargs: ``CSVLogger`` arguments.
     """
 
@@ -226,14 +264,20 @@ class ContinuedCSVLogger(CSVLogger):
     def experiment(self) -> ExperimentWriter:
         if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = (ExperimentWriter(self.log_dir) if self.resume_step is None
-                                else _ContinuedWriter(self.log_dir, self.resume_step))
+            self._experiment = _ContinuedWriter(self.log_dir, self.resume_step)
         return self._experiment
 
 
-def cli_main(args: Optional[list[str]] = None) -> MMSSLCLI:
-    """Build and run the CLI; returns it so callers (tests, tools) can reach its trainer and model."""
+def cli_main(args: Optional[list[str]] = None, sigterm_watchdog: bool = False) -> MMSSLCLI:
+    """Build and run the CLI; returns it so callers (tests, tools) can reach its trainer and model.
+
+    Args:
+        args: the command line (default ``sys.argv[1:]``).
+        sigterm_watchdog: install :func:`mmssl.signals.install_sigterm_watchdog` once the
+            command line is parsed (``main`` does).
+    """
     return MMSSLCLI(
+        sigterm_watchdog=sigterm_watchdog,
         model_class=pl.LightningModule,
         datamodule_class=pl.LightningDataModule,
         subclass_mode_model=True,
@@ -247,9 +291,8 @@ def cli_main(args: Optional[list[str]] = None) -> MMSSLCLI:
 
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of the ``mmssl`` console script; ``args`` replaces ``sys.argv[1:]`` in tests."""
-    install_sigterm_watchdog()  # SIGTERM ends the run even when a rank is stuck in a collective
     try:
-        cli_main(args)
+        cli_main(args, sigterm_watchdog=True)
     except RuntimeError as err:
         if re.search(r"timed? ?out|timeout", str(err), re.IGNORECASE):
             # gloo and NCCL word it differently ("Timed out waiting 300000ms", "Application

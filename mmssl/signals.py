@@ -12,13 +12,35 @@ see their peer gone and fail in their next collective.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
 import time
+from typing import Mapping, Optional
 
 GRACE_ENV = "MMSSL_SIGTERM_GRACE_S"
 DEFAULT_GRACE_S = 60.0
+
+
+def sigterm_grace_s(env: Optional[Mapping[str, str]] = None) -> float:
+    """The grace period from ``$MMSSL_SIGTERM_GRACE_S`` (default 60 s), checked.
+
+    Raises:
+        ValueError: the value is not a finite number of seconds >= 0 (a negative or endless
+            grace would lose the hard exit), naming the variable and its value.
+    """
+    raw = (os.environ if env is None else env).get(GRACE_ENV, "")
+    if raw.strip() == "":
+        return DEFAULT_GRACE_S
+    try:
+        grace = float(raw)
+    except ValueError:
+        grace = math.nan
+    if not math.isfinite(grace) or grace < 0:
+        raise ValueError(f"environment variable {GRACE_ENV}={raw!r}: expected a number of seconds >= 0 "
+                         f"(the wait between SIGTERM and the hard exit; default {DEFAULT_GRACE_S:g})")
+    return grace
 
 
 def install_sigterm_watchdog(grace_s: float | None = None) -> bool:
@@ -28,13 +50,19 @@ def install_sigterm_watchdog(grace_s: float | None = None) -> bool:
     whenever it can (it stops the loop at the next step and kills its child ranks).
 
     Args:
-        grace_s: seconds to wait; ``None`` reads ``$MMSSL_SIGTERM_GRACE_S`` (default 60).
+        grace_s: seconds to wait (finite, >= 0); ``None`` reads ``$MMSSL_SIGTERM_GRACE_S``
+            (:func:`sigterm_grace_s`).
 
     Returns:
         Whether it was installed (not where a wakeup descriptor is already in use, e.g. asyncio,
         or outside the main thread).
+
+    Raises:
+        ValueError: a negative or non-finite grace period.
     """
-    grace = float(os.environ.get(GRACE_ENV, DEFAULT_GRACE_S)) if grace_s is None else grace_s
+    grace = sigterm_grace_s() if grace_s is None else float(grace_s)
+    if not math.isfinite(grace) or grace < 0:
+        raise ValueError(f"grace_s={grace_s!r}: expected a number of seconds >= 0")
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     try:

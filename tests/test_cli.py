@@ -28,6 +28,22 @@ def test_help_lists_subcommands(capsys):
         assert sub in out
 
 
+def test_a_bad_sigterm_grace_leaves_help_working_and_stops_fit_naming_it(monkeypatch, capsys, tmp_path):
+    from mmssl.signals import GRACE_ENV, sigterm_grace_s
+
+    monkeypatch.setenv(GRACE_ENV, "abc")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    assert exit_info.value.code == 0 and "--ckpt_path" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=f"{GRACE_ENV}='abc': expected a number of seconds >= 0"):
+        main(["fit", "--config", str(REPO / "configs/demo/mae.yaml"), f"--trainer.default_root_dir={tmp_path}"])
+    assert not list(tmp_path.iterdir())  # refused before anything was built
+    for bad in ("-1", "inf", "nan"):  # a negative or endless grace would lose the hard exit
+        with pytest.raises(ValueError, match=f"{GRACE_ENV}='{bad}'"):
+            sigterm_grace_s({GRACE_ENV: bad})
+    assert [sigterm_grace_s(env) for env in ({}, {GRACE_ENV: ""}, {GRACE_ENV: "0"}, {GRACE_ENV: "2.5"})] == [60, 60, 0, 2.5]
+
+
 def test_clip_demo_config_fits_end_to_end(tmp_path, tiny_demo, tiny_clip_json, capsys):
     main([
         "fit", "--config", str(REPO / "configs/demo/clip.yaml"),

@@ -295,7 +295,7 @@ def test_last_checkpoint_is_the_newest_in_the_run_folder_or_a_configured_dirpath
     own, custom = tmp_path / "version_3" / "checkpoints", tmp_path / "elsewhere"
     for folder, name, mtime in ((own, "last.ckpt", 1), (custom, "last-v1.ckpt", 2), (custom, "epoch=1.ckpt", 3)):
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / name).touch()
+        torch.save({"global_step": mtime}, folder / name)  # complete files: --ckpt_path last passes over others
         os.utime(folder / name, (mtime, mtime))
     assert resume_checkpoint(str(tmp_path), 3, "last") == str(own / "last.ckpt")
     assert resume_checkpoint(str(tmp_path), 3, "last", [str(custom)]) == str(custom / "last-v1.ckpt")
