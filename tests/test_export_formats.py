@@ -124,7 +124,6 @@ def test_hf_clip_model_loads_with_no_missing_keys_and_equal_outputs(clip_ckpt, t
 
 
 def test_hf_export_refuses_towers_transformers_cannot_hold(tmp_path):
-
     timm_tower = _perturbed(CLIP(str(REPO / "configs/models/clip_micro_timm.json")))
     torch.save({"state_dict": timm_tower.state_dict(), "hyper_parameters": dict(timm_tower.hparams)}, tmp_path / "t.ckpt")
     refused = _export_refused(  # NotRepresentable
