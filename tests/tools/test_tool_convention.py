@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO)) if str(REPO) not in sys.path else None
+if str(REPO) not in sys.path:  # tools._common, as the tools import it
+    sys.path.insert(0, str(REPO))
 from tools._common import add_option, describe, run  # noqa: E402
 
 MISSING = "no_such_input"  # below tmp_path: a file or folder that does not exist
