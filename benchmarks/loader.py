@@ -1,7 +1,7 @@
 """Training loader alone (no model): images/s per worker, mmssl against open_clip_train's webdataset pipeline.
 
     python benchmarks/synthetic_shards.py --output /tmp/s512 --size 512 --count 1024
-    python benchmarks/loader.py --shards /tmp/s512 --workers 1 --batch-size 64 --batches 10 --repeats 3
+    python benchmarks/loader.py --data /tmp/s512 --num-workers 1 --batch-size 64 --batches 10 --repeats 3
 
 Both read the same shards with the same worker count, batch size, 224-pixel output and open_clip
 ``ViT-B-32`` tokenizer, resampled shards (open_clip_train's ``--dataset-resampled``):
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any, Iterator, Optional
@@ -90,16 +91,25 @@ def measure(tool: str, shards: str, workers: int, batch_size: int, warmup: int, 
             "main_cpu_ms_per_batch": cpu / batches * 1e3}
 
 
-def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+def _option(parser: argparse.ArgumentParser, name: str, old: str, **kwargs: Any) -> None:
+    """``name``, with ``old`` still accepted and hidden from --help (the tools' convention, tools/_common.py)."""
+    group = parser.add_mutually_exclusive_group(required=kwargs.pop("required", False))
+    action = group.add_argument(name, **{**kwargs, "help": f"{kwargs.get('help', '')} ({old}: the old spelling, "
+                                                           "deprecated, still accepted)".strip()})
+    group.add_argument(old, dest=action.dest, **{**kwargs, "help": argparse.SUPPRESS})
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Run the loaders, print the table (and write ``--output-json``); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", required=True, help="shard folder or pattern (benchmarks/synthetic_shards.py)")
-    parser.add_argument("--workers", type=int, default=1)
+    _option(parser, "--data", "--shards", required=True, help="shard folder or pattern (benchmarks/synthetic_shards.py)")
+    _option(parser, "--num-workers", "--workers", type=int, default=1, help="loader worker processes")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2, help="untimed batches")
     parser.add_argument("--batches", type=int, default=10, help="timed batches")
     parser.add_argument("--repeats", type=int, default=1, help="rounds, the tools alternating")
     parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated, of {TOOLS}")
-    parser.add_argument("--json", help="write every run here")
+    _option(parser, "--output-json", "--json", help="write every run here as JSON")
     args = parser.parse_args(argv)
     tools = args.tools.split(",")
     unknown = sorted(set(tools) - set(TOOLS))
@@ -109,21 +119,21 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in tools}
     for _ in range(args.repeats):
         for tool in tools:
-            runs[tool].append(measure(tool, args.shards, args.workers, args.batch_size, args.warmup, args.batches))
-    result = {"shards": args.shards, "workers": args.workers, "batch_size": args.batch_size, "runs": runs,
+            runs[tool].append(measure(tool, args.data, args.num_workers, args.batch_size, args.warmup, args.batches))
+    result = {"shards": args.data, "workers": args.num_workers, "batch_size": args.batch_size, "runs": runs,
               "median": {t: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for t, rs in runs.items()}}
     base = result["median"].get("open_clip", {}).get("images_per_s_per_worker")
-    print(f"{args.shards}: {args.workers} workers, batch {args.batch_size}, {args.batches} timed batches, "
+    print(f"{args.data}: {args.num_workers} workers, batch {args.batch_size}, {args.batches} timed batches, "
           f"{args.repeats} repeats (median)")
     print(f"{'tool':<20}{'images/s/worker':>17}{'vs open_clip':>14}{'main CPU ms/batch':>19}")
     for tool, m in result["median"].items():
         ratio = f"{m['images_per_s_per_worker'] / base:.2f}x" if base else "-"
         print(f"{tool:<20}{m['images_per_s_per_worker']:>17.1f}{ratio:>14}{m['main_cpu_ms_per_batch']:>19.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output_json:
+        with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
-    return result
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -79,9 +79,14 @@ def test_read_checkpoint_refuses_and_names_file_and_global(evil):
     assert not marker.exists()
 
 
-def run_tool(name: str, args: list[str], monkeypatch) -> None:
+def run_tool(name: str, args: list[str], monkeypatch) -> int:
+    """``python tools/NAME ARGS`` in-process: its exit status."""
     monkeypatch.setattr(sys, "argv", [name, *args])
-    runpy.run_path(str(REPO / "tools" / name), run_name="__main__")
+    try:
+        runpy.run_path(str(REPO / "tools" / name), run_name="__main__")
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0
 
 
 @pytest.mark.parametrize("tool,args", [
@@ -95,13 +100,14 @@ def run_tool(name: str, args: list[str], monkeypatch) -> None:
     ("export.py", ["--format", "hf", "--output", "{tmp}/hf"]),
     ("export.py", ["--format", "open_clip_hf", "--output", "{tmp}/hub"]),
     ("attention_maps.py", ["--images", "{tmp}/x.png", "--output", "{tmp}/maps"]),
-    ("similarity_map.py", ["--image", "{tmp}/x.png", "--text", "a star", "--output", "{tmp}/maps"]),
+    ("similarity_map.py", ["--images", "{tmp}/x.png", "--text", "a star", "--output", "{tmp}/maps"]),
 ])
-def test_every_ckpt_tool_refuses(tool, args, evil, tiny_clip_json, tmp_path, monkeypatch):
+def test_every_ckpt_tool_refuses(tool, args, evil, tiny_clip_json, tmp_path, monkeypatch, capsys):
     path, marker, name = evil
     args = [a.format(tmp=tmp_path, clip_json=tiny_clip_json) for a in args]
-    with pytest.raises(UnsafeCheckpointError, match=name):
-        run_tool(tool, ["--ckpt", str(path), *args], monkeypatch)
+    assert run_tool(tool, ["--ckpt", str(path), *args], monkeypatch) == 1  # UnsafeCheckpointError, one line
+    err = capsys.readouterr().err
+    assert err.startswith(f"{tool[:-3]}: ") and str(path) in err and name in err and err.count("\n") == 1
     assert not marker.exists()
     assert not (tmp_path / "out.pth").exists() and not (tmp_path / "out.safetensors").exists()
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hub").exists() and not (tmp_path / "maps").exists()

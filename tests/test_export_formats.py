@@ -4,8 +4,11 @@ transformers ``CLIPModel`` (``--format hf``), open_clip ``local-dir:`` (``open_c
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
+import re
 from pathlib import Path
 
 import open_clip
@@ -27,11 +30,24 @@ CAPTIONS = ["a small red circle", "A big, blue square!", "green star in the top-
 ATOL = 1e-4  # the issue's parity bound; measured differences are ~1e-6
 
 
-def _export(*argv: str) -> None:
+def _main(argv) -> int:
     spec = importlib.util.spec_from_file_location("export_tool", REPO / "tools/export.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.main(list(argv))
+    return module.main(list(argv))
+
+
+def _export(*argv: str) -> None:
+    assert _main(argv) == 0
+
+
+def _export_refused(*argv: str) -> str:
+    """``tools/export.py ARGV`` that must fail: exit 1 and the one stderr line naming what is wrong."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert _main(argv) == 1
+    assert err.getvalue().startswith("export: ") and err.getvalue().count("\n") == 1, err.getvalue()
+    return err.getvalue()
 
 
 def _perturbed(module: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
@@ -108,18 +124,20 @@ def test_hf_clip_model_loads_with_no_missing_keys_and_equal_outputs(clip_ckpt, t
 
 
 def test_hf_export_refuses_towers_transformers_cannot_hold(tmp_path):
-    from mmssl.export.hf import NotRepresentable
-
     timm_tower = _perturbed(CLIP(str(REPO / "configs/models/clip_micro_timm.json")))
     torch.save({"state_dict": timm_tower.state_dict(), "hyper_parameters": dict(timm_tower.hparams)}, tmp_path / "t.ckpt")
-    with pytest.raises(NotRepresentable, match="TimmModel.*--format open_clip_hf"):
-        _export("--ckpt", str(tmp_path / "t.ckpt"), "--format", "hf", "--output", str(tmp_path / "hf"))
+    refused = _export_refused(  # NotRepresentable
+        "--ckpt", str(tmp_path / "t.ckpt"), "--format", "hf", "--output", str(tmp_path / "hf")
+    )
+    assert re.search("TimmModel.*--format open_clip_hf", refused)
     attn_pool = dict(TINY, vision_cfg=dict(TINY["vision_cfg"], pool_type="avg"))
     (tmp_path / "avg.json").write_text(json.dumps(attn_pool))
     avg = CLIP(str(tmp_path / "avg.json"))
     torch.save({"state_dict": avg.state_dict(), "hyper_parameters": dict(avg.hparams)}, tmp_path / "a.ckpt")
-    with pytest.raises(NotRepresentable, match="pooling 'avg'"):
-        _export("--ckpt", str(tmp_path / "a.ckpt"), "--format", "hf", "--output", str(tmp_path / "hf2"))
+    refused = _export_refused(  # NotRepresentable
+        "--ckpt", str(tmp_path / "a.ckpt"), "--format", "hf", "--output", str(tmp_path / "hf2")
+    )
+    assert re.search("pooling 'avg'", refused)
 
 
 def test_open_clip_hub_folder_loads_through_local_dir_with_equal_outputs(clip_ckpt, tmp_path):
@@ -171,7 +189,11 @@ def test_folder_formats_refuse_what_they_cannot_write(tmp_path):
     mae = MAE(image_size=32, patch_size=4, embed_dim=64, depth=1, num_heads=4, decoder_embed_dim=32,
               decoder_depth=1, decoder_num_heads=4)
     torch.save({"state_dict": mae.state_dict(), "hyper_parameters": dict(mae.hparams)}, tmp_path / "mae.ckpt")
-    with pytest.raises(ValueError, match="needs an mmssl CLIP checkpoint, not a MAE"):
-        _export("--ckpt", str(tmp_path / "mae.ckpt"), "--format", "open_clip_hf", "--output", str(tmp_path / "x"))
-    with pytest.raises(ValueError, match="writes a folder"):
-        _export("--ckpt", str(tmp_path / "mae.ckpt"), "--format", "hf", "--output", str(tmp_path / "x.safetensors"))
+    refused = _export_refused(  # ValueError
+        "--ckpt", str(tmp_path / "mae.ckpt"), "--format", "open_clip_hf", "--output", str(tmp_path / "x")
+    )
+    assert re.search("needs an mmssl CLIP checkpoint, not a MAE", refused)
+    refused = _export_refused(  # ValueError
+        "--ckpt", str(tmp_path / "mae.ckpt"), "--format", "hf", "--output", str(tmp_path / "x.safetensors")
+    )
+    assert re.search("writes a folder", refused)

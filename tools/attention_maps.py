@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
@@ -22,11 +24,16 @@ from mmssl.visualize.attention import attention_maps
 from mmssl.visualize.figures import overlay_grid, save_png
 from mmssl.visualize.inputs import load_images
 
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from tools._common import add_images, output_names, run  # noqa: E402
+
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(p)
-    p.add_argument("--images", nargs="+", required=True, help="image files")
+    add_images(p)
     p.add_argument("--output", required=True, help="folder for the PNGs")
     p.add_argument("--dpi", type=int, default=100, help="PNG resolution (panels are 1.8 inches wide)")
     p.add_argument("--head-fusion", choices=("mean", "max", "min"), default="mean",
@@ -34,30 +41,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def output_names(paths: list[str], suffix: str) -> list[str]:
-    """One output file name per input image: its stem plus ``suffix``, or, where two inputs share
-    a stem (``a/x.jpg``, ``b/x.jpg``), its path relative to the inputs' common folder.
-
-    Raises:
-        ValueError: two inputs would still write one file (``x.jpg`` and ``x.png``), naming both.
-    """
-    stems = [os.path.splitext(os.path.basename(p))[0] for p in paths]
-    if len(set(stems)) == len(stems):
-        return [stem + suffix for stem in stems]
-    absolute = [os.path.abspath(p) for p in paths]
-    common = os.path.commonpath([os.path.dirname(a) for a in absolute])
-    names = [os.path.splitext(os.path.relpath(a, common))[0] + suffix for a in absolute]
-    first: dict[str, str] = {}
-    for path, name in zip(paths, names):
-        if name in first:
-            raise ValueError(f"--images {first[name]!r} and {path!r} would both be written to {name!r}: "
-                             "rename one, or run them separately")
-        first[name] = path
-    return names
-
-
-def main(argv: Optional[list[str]] = None) -> list[str]:
+def main(argv: Optional[list[str]] = None) -> int:
+    """Write one PNG per image to ``--output``; the exit status (prints each PNG's path)."""
     args = parse_args(argv)
+    return run("attention_maps", lambda: _write(args))
+
+
+def _write(args: argparse.Namespace) -> None:
     names = output_names(args.images, "_attention.png")  # before anything is loaded or written
     model = load_model(args.ckpt, args.model, args.model_kwargs, args.model_class)
     images, views = load_images(args.images, model)
@@ -75,8 +65,7 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
         os.makedirs(os.path.dirname(out), exist_ok=True)
         written.append(save_png(figure, out, args.dpi))
         print(written[-1])
-    return written
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,7 +2,7 @@
 
     python tools/benchmark.py --config configs/fashion_mnist/clip_tiny.yaml --warmup 3 --steps 20 \
         [--precision bf16-mixed] [--patch-dropout 0.5] [--compare-open-clip | --compare-lightly |
-        --compare-mask-ratio 0.005] [--repeats 3] [--json out.json] \
+        --compare-mask-ratio 0.005] [--repeats 3] [--output-json out.json] \
         [-- --data.init_args.batch_size=32 ...]
 
 Prints samples/s, step time, the fraction of time waiting for data, peak memory and model FLOP
@@ -16,17 +16,23 @@ the FLOP ratio of the two runs.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 
 # The harness lives in benchmarks/ beside the package (mmssl itself never imports it).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: benchmarks/, tools._common
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 from benchmarks.bench import benchmark, cpu_bf16_warning, format_report  # noqa: E402
+from tools._common import add_output_json, run  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, print its report (and write ``--output-json``); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="mmssl YAML config")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (>= 1)")
@@ -41,9 +47,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compare-mask-ratio", type=float,
                         help="also run at this MAE mask ratio; report the speed-up and the FLOP ratio")
     parser.add_argument("--repeats", type=int, default=1, help="alternate the pair this many times; median ratio")
-    parser.add_argument("--json", help="write the figures here")
+    add_output_json(parser, "--json", help="write the figures here as JSON")
     parser.add_argument("overrides", nargs="*", help="further mmssl CLI arguments, after --")
     args = parser.parse_args(argv)
+    return run("benchmark", lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> None:
+    if not os.path.isfile(args.config):  # before any model or peer is built
+        raise FileNotFoundError(errno.ENOENT, "--config: no such file", args.config)
     overrides = list(args.overrides)
     if args.precision:
         overrides.append(f"--trainer.precision={args.precision}")
@@ -58,10 +70,9 @@ def main(argv: list[str] | None = None) -> dict:
     if warning:
         result["warning"] = warning
         print(warning, file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.output_json:
+        with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
-    return result
 
 
 if __name__ == "__main__":

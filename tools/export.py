@@ -27,11 +27,19 @@ is refused (mmssl.checkpoints).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 from mmssl.export import FORMATS, export_checkpoint
 
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from tools._common import run  # noqa: E402
 
-def main(argv: list[str] | None = None) -> None:
+
+def main(argv: list[str] | None = None) -> int:
+    """Export ``--ckpt`` to ``--output``; the exit status."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -42,9 +50,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing output file, or a folder holding an earlier export")
     args = parser.parse_args(argv)
-    state = export_checkpoint(args.ckpt, args.format, args.output, overwrite=args.overwrite)
-    print(f"wrote {len(state)} tensors ({args.format}) to {args.output}")
+
+    def export() -> None:
+        state = export_checkpoint(args.ckpt, args.format, args.output, overwrite=args.overwrite)
+        print(f"wrote {len(state)} tensors ({args.format}) to {args.output}")
+
+    return run("export", export)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

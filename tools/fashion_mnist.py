@@ -32,6 +32,11 @@ from PIL import Image
 from mmssl.data.labeled import write_clip_benchmark_files
 from mmssl.data.shards import prepare_output
 
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from tools._common import add_option, run  # noqa: E402
+
 DEFAULT_SOURCE = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 # Label order of the idx files (Xiao et al. 2017, github.com/zalandoresearch/fashion-mnist).
 CLASSNAMES: tuple[str, ...] = (
@@ -96,7 +101,7 @@ def find_idx(source: str, prefix: str, kind: str) -> str:
             return os.path.join(source, name)
     raise FileNotFoundError(
         f"no {prefix}-{kind}-idx{dims}-ubyte[.gz] in {source!r} (apt-get install dataset-fashion-mnist, "
-        "or pass --source)"
+        "or pass --data)"
     )
 
 
@@ -167,20 +172,25 @@ def convert(source: str, output: str, shard_size: int = 5000, limit: int | None 
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
+    """Convert the idx files in ``--data`` to shards in ``--output``; the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", default=DEFAULT_SOURCE, help="folder with the idx files")
+    add_option(parser, "--data", "--source", default=DEFAULT_SOURCE,
+               help=f"folder with the four idx files (default {DEFAULT_SOURCE})")
     parser.add_argument("--output", required=True, help="writes OUTPUT/train and OUTPUT/test")
     parser.add_argument("--shard-size", type=int, default=5000, help="samples per shard (5000: 12 train and 2 test shards, enough for 2 workers in exact epochs)")
     parser.add_argument("--limit", type=int, help="first N samples per split only")
     parser.add_argument("--seed", type=int, default=0, help="caption seed")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier run's shards in OUTPUT")
     args = parser.parse_args(argv)
-    result = convert(args.source, args.output, args.shard_size, args.limit, args.seed, args.overwrite)
-    for split, sizes in result.items():
-        print(f"{split}: {sum(sizes.values())} samples in {len(sizes)} shards -> {Path(args.output) / split}")
-    return result
+
+    def write() -> None:
+        result = convert(args.data, args.output, args.shard_size, args.limit, args.seed, args.overwrite)
+        for split, sizes in result.items():
+            print(f"{split}: {sum(sizes.values())} samples in {len(sizes)} shards -> {Path(args.output) / split}")
+
+    return run("fashion_mnist", write)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Count and validate every sample of some shards, report bad ones, print a few.
 
-    python tools/inspect_shards.py "shards/{00000..00009}.tar" --show 3
+    python tools/inspect_shards.py --data "shards/{00000..00009}.tar" --show 3
 
 Checks every sample (the image decodes, the caption is non-empty UTF-8, ``cls`` is a class index
 in [0, 2**63)) and every shard against the ``sizes.json`` beside it (valid JSON mapping shard names
@@ -11,16 +11,30 @@ difference as bad samples). Exits with status 1 when a sample, shard or ``sizes.
 
 import argparse
 import sys
+from pathlib import Path
 
 from mmssl.data.shards import inspect_shards
 
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from tools._common import run  # noqa: E402
 
-def main(argv=None) -> int:
+
+def main(argv: list[str] | None = None) -> int:
+    """Inspect ``--data``; the exit status (1 when a sample, shard or sizes.json is bad)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("data", help="shard pattern, folder, URL or pipe: command")
+    data = parser.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", help="shard pattern, folder, URL or pipe: command "
+                      "(the old form, the pattern as the only positional argument, deprecated, still accepted)")
+    data.add_argument("data_positional", nargs="?", metavar="DATA", help=argparse.SUPPRESS)
     parser.add_argument("--show", type=int, default=3, help="good samples to print")
     args = parser.parse_args(argv)
-    good, problems, shown, warnings = inspect_shards(args.data, show=args.show)
+    return run("inspect_shards", lambda: _inspect(args.data or args.data_positional, args.show))
+
+
+def _inspect(data: str, show: int) -> int:
+    good, problems, shown, warnings = inspect_shards(data, show=show)
     for sample in shown:
         print(sample)
     for line in problems:

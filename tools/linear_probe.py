@@ -2,7 +2,7 @@
 
     python tools/linear_probe.py --ckpt runs/demo_clip/version_0/checkpoints/last.ckpt \
         --train-data ~/.cache/mmssl/demo/train --val-data ~/.cache/mmssl/demo/val \
-        --layers all --output-json results.json
+        --all-layers --output-json results.json
 
 ``--ckpt`` takes an mmssl Lightning checkpoint (read as weights only; built as mmssl's MAE, CLIP
 or fine-tuned ImageClassifier, whichever the checkpoint or the run's config.yaml names; for a
@@ -14,10 +14,17 @@ or an open_clip name / JSON config.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
 from mmssl.evaluation.offline import emit_report, linear_probe_report
+
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from tools._common import add_loader_arguments, add_output_json, run  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -28,30 +35,38 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--feature", choices=("cls", "avg", "embedding"), default="cls")
     p.add_argument("--method", choices=("lbfgs", "mae"), default="lbfgs",
                    help="lbfgs: exact logistic regression (fast); mae: MAE paper BatchNorm + LARS recipe")
-    p.add_argument("--layers", choices=("all", "none"), default="none", help="probe every block too")
+    layers = p.add_mutually_exclusive_group()
+    layers.add_argument("--all-layers", action="store_true",
+                        help="probe every block too (--layers all|none: the old spelling, deprecated, still accepted)")
+    layers.add_argument("--layers", choices=("all", "none"), help=argparse.SUPPRESS)
     p.add_argument("--weight-decay", type=float, default=1e-4, help="lbfgs L2 penalty")
     p.add_argument("--epochs", type=int, default=90, help="mae recipe epochs")
     p.add_argument("--knn-k", type=int, default=20, help="k of the weighted k-NN (0: skip)")
     p.add_argument("--knn-temperature", type=float, default=0.07)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--num-workers", type=int, default=0)
-    p.add_argument("--output-json", help="write the results here")
-    return p.parse_args(argv)
+    add_loader_arguments(p)
+    add_output_json(p)
+    args = p.parse_args(argv)
+    args.all_layers = args.all_layers or args.layers == "all"
+    return args
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: Optional[list[str]] = None) -> int:
+    """Print the probe table (and write ``--output-json``); the exit status."""
     args = parse_args(argv)
+    return run("linear_probe", lambda: _report(args))
+
+
+def _report(args: argparse.Namespace) -> None:
     model = load_model(args.ckpt, args.model, args.model_kwargs, args.model_class)
     fit_kwargs = {"weight_decay": args.weight_decay} if args.method == "lbfgs" else {"epochs": args.epochs}
     report = linear_probe_report(
-        model, args.train_data, args.val_data, args.feature, args.method, args.layers == "all",
+        model, args.train_data, args.val_data, args.feature, args.method, args.all_layers,
         args.knn_k, args.knn_temperature, args.batch_size, args.num_workers, fit_kwargs=fit_kwargs,
     )
     report = {"checkpoint": args.ckpt, "model": args.model or type(model).__name__,
               "train_data": args.train_data, "val_data": args.val_data, **report}
     emit_report(report, f"linear probe of {args.ckpt}", args.output_json)
-    return report
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,9 +1,9 @@
 """Write webdataset shards (img2dataset layout) from an image folder or a CSV/TSV.
 
-    python tools/make_shards.py --folder imgs/ --output shards/ --template "a photo of a {c}."
-    python tools/make_shards.py --table pairs.tsv --output shards/ --shard-size 5000 --resize 256
+    python tools/make_shards.py --data imgs/ --output shards/ --template "a photo of a {c}."
+    python tools/make_shards.py --data pairs.tsv --output shards/ --shard-size 5000 --resize 256
 
-A folder holds one sub-folder per class: each image gets ``cls`` (class index, folders sorted)
+``--data`` is an image folder or a table (a file). A folder holds one sub-folder per class: each image gets ``cls`` (class index, folders sorted)
 and a caption from the template, and the output is a clip_benchmark ``wds/`` set:
 ``OUTPUT/{split}/0.tar ..`` with ``nshards.txt`` (``--split``, default ``train``), and
 ``classnames.txt`` plus ``zeroshot_classification_templates.txt`` (the caption template) at
@@ -17,6 +17,7 @@ still refuses any other ``.tar``: no file make_shards did not write is deleted.
 """
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -25,6 +26,11 @@ from pathlib import Path
 from mmssl.data.labeled import write_clip_benchmark_files
 from mmssl.data.folders import folder_items, shuffled
 from mmssl.data.shards import table_items, write_shards
+
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from tools._common import add_option, run  # noqa: E402
 
 
 def number_shards(folder: str, sizes: dict[str, int]) -> dict[str, int]:
@@ -38,13 +44,13 @@ def number_shards(folder: str, sizes: dict[str, int]) -> dict[str, int]:
     return renamed
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Write the shards of ``--data`` to ``--output``; the exit status."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--folder", help="image folder with one sub-folder per class")
-    source.add_argument("--table", help="CSV/TSV with path,caption[,label]")
+    add_option(parser, "--data", "--folder", "--table", required=True,
+               help="image folder with one sub-folder per class, or a CSV/TSV file with path,caption[,label]")
     parser.add_argument("--output", required=True, help="output folder")
-    parser.add_argument("--split", help="clip_benchmark split folder (default with --folder: train)")
+    parser.add_argument("--split", help="clip_benchmark split folder (default for a folder: train)")
     parser.add_argument("--template", default="a photo of a {c}.", help="caption template ({c}: class)")
     parser.add_argument("--shard-size", type=int, default=10000, help="samples per shard")
     parser.add_argument("--resize", type=int, default=None, help="shrink the short side to this")
@@ -53,29 +59,32 @@ def main(argv=None) -> int:
     parser.add_argument("--no-shuffle", action="store_true", help="write samples in input order")
     parser.add_argument("--overwrite", action="store_true", help="replace the shards an earlier run wrote to OUTPUT")
     args = parser.parse_args(argv)
-    names = None
-    if args.folder:
+    folder = os.path.isdir(args.data)
+    if folder:
         if "{c}" not in args.template:
             parser.error(f"--template {args.template!r} has no '{{c}}' for the class name")
-        items, names = folder_items(args.folder, args.template)
         args.split = args.split or "train"
-    else:
-        items = table_items(args.table)
     if args.split and args.prefix:
         parser.error("--prefix: clip_benchmark's layout names its shards 0.tar, 1.tar, ...")
+    return run("make_shards", lambda: _write(args, folder))
+
+
+def _write(args: argparse.Namespace, folder: bool) -> None:
+    names = None
+    if folder:
+        items, names = folder_items(args.data, args.template)
+    elif os.path.exists(args.data):
+        items = table_items(args.data)
+    else:
+        raise FileNotFoundError(errno.ENOENT, "no such image folder or table", args.data)
     if not args.no_shuffle:
         items = shuffled(items, args.seed)
     out = os.path.join(args.output, args.split) if args.split else args.output
-    try:
-        sizes = write_shards(items, out, args.shard_size, args.resize, args.prefix, len(items), args.overwrite)
-    except (FileExistsError, ValueError) as err:
-        print(f"make_shards: {err}", file=sys.stderr)
-        return 1
+    sizes = write_shards(items, out, args.shard_size, args.resize, args.prefix, len(items), args.overwrite)
     if args.split:
         sizes = number_shards(out, sizes)
         write_clip_benchmark_files(args.output, args.split, names, [args.template] if names else None)
     print(f"wrote {sum(sizes.values())} samples in {len(sizes)} shards to {out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -17,12 +17,19 @@ import argparse
 import json
 import math
 import os
+import sys
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from mmssl.visualize.figures import curves_figure, save_png, scaling_figure
 from mmssl.visualize.scaling import fit_power_law, pool_points, read_run
+
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from tools._common import run  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -35,12 +42,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: Optional[list[str]] = None) -> int:
+    """Fit, print and write the figures and ``scaling_fit.json``; the exit status."""
     args = parse_args(argv)
+    return run("scaling_fit", lambda: _fit(args))
+
+
+def _fit(args: argparse.Namespace) -> None:
     runs = [read_run(path, args.metric) for path in args.runs]
     compute, loss, spread, count = pool_points([run.pick(args.select) for run in runs])
     if len(compute) < 3:
-        raise SystemExit(f"scaling_fit: {len(compute)} distinct compute budgets; a 3-parameter fit needs at least 3")
+        raise ValueError(f"{len(compute)} distinct compute budgets; a 3-parameter fit needs at least 3")
     fit = fit_power_law(compute, loss, spread if np.all(np.isfinite(spread)) else None)
     err = fit.stderr
     print(f"{'run(s)':>6} {'compute (FLOPs)':>16} {args.metric:>12} {'spread':>8}")
@@ -72,8 +84,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     with open(os.path.join(args.output, "scaling_fit.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {args.output}/scaling_fit.png, loss_vs_compute.png, scaling_fit.json")
-    return report
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

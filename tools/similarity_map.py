@@ -2,7 +2,7 @@
 every patch token through the image tower's final norm and projection, cosine with each query.
 
     python tools/similarity_map.py --ckpt runs/demo_clip/version_0/checkpoints/last.ckpt \
-        --image docs/visualize/inputs/star.jpg --text "a star" --text "a circle" --output sim/
+        --images docs/visualize/inputs/star.jpg --text "a star" --text "a circle" --output sim/
 
 One PNG per image, one panel per query; each panel is scaled to its own range (its titles give
 the cosine range). ``--ckpt`` takes an mmssl CLIP checkpoint, or an open_clip state dict with
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
@@ -20,11 +22,16 @@ from mmssl.visualize.figures import overlay_grid, save_png
 from mmssl.visualize.inputs import load_images
 from mmssl.visualize.similarity import similarity_maps
 
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from tools._common import add_images, output_names, run  # noqa: E402
+
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(p, "open_clip model name or .json config", model_kwargs=False)
-    p.add_argument("--image", nargs="+", required=True, help="image files")
+    add_images(p, "--image")
     p.add_argument("--text", action="append", required=True, help="a query; repeat for more")
     p.add_argument("--output", required=True, help="folder for the PNGs")
     p.add_argument("--dpi", type=int, default=100, help="PNG resolution (panels are 1.8 inches wide)")
@@ -33,22 +40,29 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Optional[list[str]] = None) -> list[str]:
+def main(argv: Optional[list[str]] = None) -> int:
+    """Write one PNG per image to ``--output``; the exit status (prints each PNG's path)."""
     args = parse_args(argv)
+    return run("similarity_map", lambda: _write(args))
+
+
+def _write(args: argparse.Namespace) -> None:
+    names = output_names(args.images, "_similarity.png")  # before anything is loaded or written
     model = load_model(args.ckpt, args.model, None, args.model_class)
-    images, views = load_images(args.image, model)
+    if not hasattr(model, "encode_text"):  # a user's wrong file, not a bug: one line naming it
+        raise ValueError(f"{args.ckpt}: {type(model).__name__} is not a CLIP: patch-text similarity needs a CLIP "
+                         "checkpoint or an open_clip file")
+    images, views = load_images(args.images, model)
     maps = similarity_maps(model, images, args.text, args.value_path).numpy()  # (B, Q, h, w)
     os.makedirs(args.output, exist_ok=True)
-    written = []
-    for i, path in enumerate(args.image):
+    for i, path in enumerate(args.images):
         titles = [f'"{t}"\ncos {m.min():.2f}..{m.max():.2f}' for t, m in zip(args.text, maps[i])]
         figure = overlay_grid(views[i], list(maps[i]), titles, f"{os.path.basename(path)}: patch-text similarity"
                               + (" (value path)" if args.value_path else ""))
-        stem = os.path.splitext(os.path.basename(path))[0]
-        written.append(save_png(figure, os.path.join(args.output, f"{stem}_similarity.png"), args.dpi))
-        print(written[-1])
-    return written
+        out = os.path.join(args.output, names[i])
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        print(save_png(figure, out, args.dpi))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,10 +16,17 @@ root), ``--templates``, or CLIP's 80 ImageNet templates. ``--ckpt`` takes an mms
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
 from mmssl.evaluation.offline import emit_report, zero_shot_report
+
+_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from tools._common import add_loader_arguments, add_output_json, run  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -28,20 +35,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--data", required=True, help="labelled set: clip_benchmark DIR or DIR/SPLIT, shard folder/pattern, or image folder")
     p.add_argument("--classnames", help="class-names file (default: classnames.txt beside the data)")
     p.add_argument("--templates", help="templates file (default: beside the data, else the 80 OpenAI ones)")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--num-workers", type=int, default=0)
-    p.add_argument("--output-json", help="write the results here")
+    add_loader_arguments(p)
+    add_output_json(p)
     return p.parse_args(argv)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: Optional[list[str]] = None) -> int:
+    """Print the zero-shot table (and write ``--output-json``); the exit status."""
     args = parse_args(argv)
+    return run("zero_shot", lambda: _report(args))
+
+
+def _report(args: argparse.Namespace) -> None:
     model = load_model(args.ckpt, args.model, None, args.model_class)
+    if not hasattr(model, "encode_text"):  # a user's wrong file, not a bug: one line naming it
+        raise ValueError(f"{args.ckpt}: {type(model).__name__} has no text tower: zero-shot needs a CLIP checkpoint")
     report = zero_shot_report(model, args.data, args.classnames, args.templates, args.batch_size, args.num_workers)
     report = {"checkpoint": args.ckpt, "model": args.model or type(model).__name__, "data": args.data, **report}
     emit_report(report, f"zero-shot of {args.ckpt}", args.output_json)
-    return report
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -96,10 +96,11 @@ def test_benchmark_measures_lightning_steps_and_counts_their_flops(tiny_demo, ti
     finally:
         sys.path.pop(0)
     out_json = tmp_path / "bench.json"
-    result = tool.main([
+    assert tool.main([
         "--config", str(REPO / "configs/demo/clip.yaml"), "--warmup", "2", "--steps", "3",
-        "--json", str(out_json), "--", *_common(tiny_demo, tiny_clip_json),
-    ])
+        "--output-json", str(out_json), "--", *_common(tiny_demo, tiny_clip_json),
+    ]) == 0
+    result = json.loads(out_json.read_text())
     m = result["mmssl"]
     assert m["steps"] == 3 and m["batch_size"] == 8 and m["precision"] == "32-true"
     assert m["samples_per_s"] > 0 and m["step_time_s"] > 0
@@ -111,7 +112,6 @@ def test_benchmark_measures_lightning_steps_and_counts_their_flops(tiny_demo, ti
     # the model reached, else no figure (tests/tools/test_peak_probe.py).
     assert len(m["peak_probes"]) == 2 and m["matmul_peak_flops"] == max(m["peak_probes"])
     assert m["mfu"] is None or 0.0 < m["mfu"] <= 1.0
-    assert json.loads(out_json.read_text())["mmssl"]["flops_per_step"] == m["flops_per_step"]
     assert m["shards"] == expand_urls(tiny_demo.train)  # what the peer is handed
 
 

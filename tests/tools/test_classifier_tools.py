@@ -17,7 +17,7 @@ from mmssl.cli import main
 from mmssl.evaluation.encoders import load_model
 from mmssl.models import ImageClassifier
 from tests.test_finetune import CONFIGS, TINY, write_labelled
-from tests.tools.test_viz_tools import run_tool
+from tests.tools.test_viz_tools import pngs, run_tool
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +53,11 @@ def test_a_finetuned_checkpoint_loads_as_the_classifier_it_names(finetuned):
 
 def test_linear_probe_tool_on_a_finetuned_checkpoint(finetuned, tmp_path, monkeypatch):
     out = tmp_path / "probe.json"
-    report = run_tool("linear_probe.py", [
+    assert run_tool("linear_probe.py", [
         "--ckpt", str(finetuned["ckpt"]), "--train-data", finetuned["train"], "--val-data", finetuned["val"],
-        "--feature", "embedding", "--layers", "all", "--knn-k", "5", "--output-json", str(out),
-    ], monkeypatch)
-    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+        "--feature", "embedding", "--all-layers", "--knn-k", "5", "--output-json", str(out),
+    ], monkeypatch) == 0
+    report = json.loads(out.read_text())
     assert report["model"] == "ImageClassifier" and report["feature"] == "embedding" and report["feature_dim"] == 32
     assert (report["num_train"], report["num_val"], report["num_classes"]) == (96, 40, 4)
     assert [layer["block"] for layer in report["layers"]] == [1, 2]
@@ -71,17 +71,19 @@ def test_attention_maps_tool_on_a_finetuned_checkpoint(finetuned, tmp_path, monk
         pixels = np.clip(np.array(colour) + np.random.default_rng(i).integers(-60, 61, (24, 24, 3)), 0, 255)
         paths.append(str(tmp_path / f"img{i}.png"))
         Image.fromarray(pixels.astype(np.uint8)).save(paths[-1])
-    written = run_tool("attention_maps.py", ["--ckpt", str(finetuned["ckpt"]), "--images", *paths,
-                                             "--output", str(tmp_path / "out")], monkeypatch)
+    assert run_tool("attention_maps.py", ["--ckpt", str(finetuned["ckpt"]), "--images", *paths,
+                                          "--output", str(tmp_path / "out")], monkeypatch) == 0
+    written = pngs(tmp_path / "out")
     assert [Path(p).name for p in written] == ["img0_attention.png", "img1_attention.png"]
     assert all(Image.open(p).format == "PNG" for p in written)
 
 
-def test_text_tools_refuse_a_finetuned_checkpoint(finetuned, tmp_path, monkeypatch):
-    with pytest.raises(TypeError, match="ImageClassifier has no text tower"):
-        run_tool("zero_shot.py", ["--ckpt", str(finetuned["ckpt"]), "--data", finetuned["val"]], monkeypatch)
+def test_text_tools_refuse_a_finetuned_checkpoint(finetuned, tmp_path, monkeypatch, capsys):
+    ckpt = str(finetuned["ckpt"])
+    assert run_tool("zero_shot.py", ["--ckpt", ckpt, "--data", finetuned["val"]], monkeypatch) == 1
+    assert capsys.readouterr().err.startswith(f"zero_shot: {ckpt}: ImageClassifier has no text tower")
     image = tmp_path / "a.png"
     Image.fromarray(np.zeros((16, 16, 3), dtype=np.uint8)).save(image)
-    with pytest.raises(TypeError, match="ImageClassifier is not a CLIP"):
-        run_tool("similarity_map.py", ["--ckpt", str(finetuned["ckpt"]), "--image", str(image), "--text", "a",
-                                       "--output", str(tmp_path / "sim")], monkeypatch)
+    assert run_tool("similarity_map.py", ["--ckpt", ckpt, "--images", str(image), "--text", "a",
+                                          "--output", str(tmp_path / "sim")], monkeypatch) == 1
+    assert capsys.readouterr().err.startswith(f"similarity_map: {ckpt}: ImageClassifier is not a CLIP")

@@ -39,7 +39,7 @@ def _images(folder: Path) -> None:
 def test_make_shards_from_class_folders_then_train_on_them(tmp_path, capsys):
     _images(tmp_path / "imgs")
     out = tmp_path / "shards"
-    assert _run("make_shards.py", "--folder", str(tmp_path / "imgs"), "--output", str(out),
+    assert _run("make_shards.py", "--data", str(tmp_path / "imgs"), "--output", str(out),
                 "--shard-size", "4", "--resize", "20", "--template", "a photo of a {c}.") == 0
     # A clip_benchmark wds/ set: OUTPUT/train/{0,1}.tar + nshards.txt, class names at OUTPUT.
     assert json.loads((out / "train/sizes.json").read_text()) == {"0.tar": 4, "1.tar": 2}
@@ -59,10 +59,10 @@ def test_make_shards_from_table_and_inspect_reports_bad(tmp_path, capsys):
     _images(tmp_path / "imgs")
     table = tmp_path / "pairs.tsv"
     table.write_text("path\tcaption\nimgs/red_car/1.jpg\ta red car\nimgs/blue_boat/2.jpg\ta blue boat\n")
-    assert _run("make_shards.py", "--table", str(table), "--output", str(tmp_path / "s")) == 0
+    assert _run("make_shards.py", "--data", str(table), "--output", str(tmp_path / "s")) == 0
     assert json.loads((tmp_path / "s" / "sizes.json").read_text()) == {"00000.tar": 2}
     (tmp_path / "s" / "00001.tar").write_bytes(b"junk" * 10)
-    assert _run("inspect_shards.py", str(tmp_path / "s")) == 1
+    assert _run("inspect_shards.py", "--data", str(tmp_path / "s")) == 1
     out = capsys.readouterr().out
     assert "2 good samples, 1 problems" in out and "BAD" in out and "00001.tar" in out
 
@@ -87,7 +87,7 @@ def _distinct_labels_per_batch(shards: Path) -> float:
 
 def test_shards_of_a_class_ordered_folder_mix_classes_in_every_batch(tmp_path, capsys):
     _class_folder(tmp_path / "imgs")
-    for name, extra in (("mixed", []), ("ordered", ["--no-shuffle"])):
+    for name, extra in (("mixed", []), ("ordered", ["--no-shuffle"])):  # --folder: the old spelling of --data
         assert _run("make_shards.py", "--folder", str(tmp_path / "imgs"), "--output", str(tmp_path / name),
                     "--shard-size", "20", *extra) == 0
     labels = np.repeat(np.arange(10), 20)
@@ -97,7 +97,7 @@ def test_shards_of_a_class_ordered_folder_mix_classes_in_every_batch(tmp_path, c
     assert _distinct_labels_per_batch(tmp_path / "ordered/train") < 0.6 * shuffled  # what the shuffle fixes
     # inspect_shards names the class-ordered shards and is silent on the mixed ones.
     assert inspect_shards(str(tmp_path / "mixed/train"))[3] == []
-    assert _run("inspect_shards.py", str(tmp_path / "ordered/train")) == 0
+    assert _run("inspect_shards.py", "--data", str(tmp_path / "ordered/train")) == 0
     out = capsys.readouterr().out
     assert out.count("WARNING") == 20 and "/3.tar: 20 of 20 samples have the label 3" in out
 
@@ -108,7 +108,7 @@ def test_make_shards_refuses_a_folder_of_someone_elses_shards(tmp_path, capsys):
     (out / "train").mkdir(parents=True)
     (out / "train" / "0.tar").write_bytes(b"the user's own shard")
     (out / "train" / "mine.tar").write_bytes(b"another")
-    args = ["--folder", str(tmp_path / "imgs"), "--output", str(out), "--shard-size", "4"]
+    args = ["--data", str(tmp_path / "imgs"), "--output", str(out), "--shard-size", "4"]
     assert _run("make_shards.py", *args) == 1
     assert f"{out / 'train'} already holds shards" in capsys.readouterr().err
     assert (out / "train" / "0.tar").read_bytes() == b"the user's own shard"
@@ -127,12 +127,12 @@ def test_inspect_shards_checks_sizes_json_against_the_shards_and_labels_in_range
 
     write_dataset(tmp_path / "a", [3, 3])
     (tmp_path / "a" / "sizes.json").write_text(json.dumps({"00000.tar": 1000, "00001.tar": 2}))  # too many, too few
-    assert _run("inspect_shards.py", str(tmp_path / "a")) == 1
+    assert _run("inspect_shards.py", str(tmp_path / "a")) == 1  # the old positional form, still accepted
     out = capsys.readouterr().out
     assert "00000.tar: holds 3 samples" in out and "lists 1000" in out
     assert "00001.tar: holds 3 samples" in out and "lists 2" in out
     (tmp_path / "a" / "sizes.json").write_text(json.dumps({"00000.tar": -3, "00001.tar": 3}))
-    assert _run("inspect_shards.py", str(tmp_path / "a")) == 1
+    assert _run("inspect_shards.py", "--data", str(tmp_path / "a")) == 1
     assert "non-negative integer" in capsys.readouterr().out
     members = sample_members(0) + sample_members(1, label=99999999999999999999999)
     members += [(n, b"cat" if n.endswith(".cls") else d) for n, d in sample_members(2)]

@@ -13,7 +13,7 @@ def test_plan_stream_prints_the_plan_without_reading_shards(tmp_path, capsys):
     (tmp_path / "sizes.json").write_text(json.dumps(sizes))
     total = sum(sizes.values())
     assert _run("plan_stream.py", "--data", f"{tmp_path}/{{00000..00059}}.tar", "--nodes", "2", "--devices", "2",
-                "--workers", "3", "--batch-size", "16", "--epochs", "3") == 0
+                "--num-workers", "3", "--batch-size", "16", "--epochs", "3") == 0
     out = capsys.readouterr().out
     rank_batches = total // (4 * 16)
     assert f"{total:,} samples" in out and "12 slots" in out

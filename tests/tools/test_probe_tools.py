@@ -16,9 +16,14 @@ from mmssl.models.clip import CLIP
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_tool(name: str, args: list[str], monkeypatch) -> None:
+def run_tool(name: str, args: list[str], monkeypatch) -> int:
+    """``python tools/NAME ARGS`` in-process: its exit status."""
     monkeypatch.setattr(sys, "argv", [name, *args])
-    runpy.run_path(str(REPO / "tools" / name), run_name="__main__")
+    try:
+        runpy.run_path(str(REPO / "tools" / name), run_name="__main__")
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +43,10 @@ def lightning_ckpt(tiny_demo, tiny_clip_json, tmp_path_factory) -> Path:
 
 def test_linear_probe_tool_on_lightning_checkpoint(lightning_ckpt, tiny_demo, tmp_path, monkeypatch, capsys):
     out = tmp_path / "probe.json"
-    run_tool("linear_probe.py", [
+    assert run_tool("linear_probe.py", [
         "--ckpt", str(lightning_ckpt), "--train-data", tiny_demo.train, "--val-data", tiny_demo.eval_dir,
-        "--layers", "all", "--output-json", str(out),
-    ], monkeypatch)
+        "--all-layers", "--output-json", str(out),
+    ], monkeypatch) == 0
     result = json.loads(out.read_text())
     assert result["model"] == "CLIP" and result["feature"] == "cls" and result["method"] == "lbfgs"
     assert (result["num_train"], result["num_val"], result["num_classes"]) == (64, 32, 36)
@@ -51,15 +56,16 @@ def test_linear_probe_tool_on_lightning_checkpoint(lightning_ckpt, tiny_demo, tm
 
 
 def test_zero_shot_tool_on_lightning_and_open_clip_files(lightning_ckpt, tiny_demo, tiny_clip_json, tmp_path, monkeypatch):
-    run_tool("zero_shot.py", ["--ckpt", str(lightning_ckpt), "--data", tiny_demo.eval_dir,
-                              "--output-json", str(tmp_path / "a.json")], monkeypatch)
+    assert run_tool("zero_shot.py", ["--ckpt", str(lightning_ckpt), "--data", tiny_demo.eval_dir,
+                                     "--output-json", str(tmp_path / "a.json")], monkeypatch) == 0
     from_ckpt = json.loads((tmp_path / "a.json").read_text())
     # The same weights as a plain open_clip state dict give the same figures.
     state = read_checkpoint(str(lightning_ckpt))["state_dict"]
     open_clip_sd = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     torch.save(open_clip_sd, tmp_path / "open_clip.pt")
-    run_tool("zero_shot.py", ["--ckpt", str(tmp_path / "open_clip.pt"), "--model", tiny_clip_json,
-                              "--data", tiny_demo.eval_dir, "--output-json", str(tmp_path / "b.json")], monkeypatch)
+    assert run_tool("zero_shot.py", ["--ckpt", str(tmp_path / "open_clip.pt"), "--model", tiny_clip_json,
+                                     "--data", tiny_demo.eval_dir, "--output-json", str(tmp_path / "b.json")],
+                    monkeypatch) == 0
     from_state_dict = json.loads((tmp_path / "b.json").read_text())
     assert from_ckpt["num_samples"] == 32 and from_ckpt["num_templates"] == 5
     for key in ("top1", "top5", "num_samples"):
@@ -78,19 +84,21 @@ def test_linear_probe_tool_on_timm_state_dict(tiny_demo, tmp_path, monkeypatch):
     vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=0, **kwargs)
     torch.save(vit.state_dict(), tmp_path / "vit.pth")
     out = tmp_path / "probe.json"
-    run_tool("linear_probe.py", [
+    assert run_tool("linear_probe.py", [  # --layers all: the old spelling of --all-layers, still accepted
         "--ckpt", str(tmp_path / "vit.pth"), "--model", "vit_tiny_patch16_224", "--model-kwargs", json.dumps(kwargs),
         "--train-data", tiny_demo.train, "--val-data", tiny_demo.eval_dir, "--feature", "avg",
         "--layers", "all", "--method", "mae", "--epochs", "2", "--output-json", str(out),
-    ], monkeypatch)
+    ], monkeypatch) == 0
     result = json.loads(out.read_text())
     assert result["feature"] == "avg" and result["method"] == "mae" and result["feature_dim"] == 32
     assert len(result["layers"]) == 2 and result["num_train"] == 64
 
 
-def test_tool_names_a_missing_checkpoint(tmp_path, monkeypatch):
-    with pytest.raises(FileNotFoundError, match="--ckpt"):
-        run_tool("zero_shot.py", ["--ckpt", str(tmp_path / "none.ckpt"), "--data", str(tmp_path)], monkeypatch)
+def test_tool_names_a_missing_checkpoint(tmp_path, monkeypatch, capsys):
+    assert run_tool("zero_shot.py", ["--ckpt", str(tmp_path / "none.ckpt"), "--data", str(tmp_path)], monkeypatch) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("zero_shot: ") and "--ckpt" in err and str(tmp_path / "none.ckpt") in err
+    assert err.count("\n") == 1  # one line, no traceback
 
 
 def test_zero_shot_tool_reads_a_clip_benchmark_folder_by_root_or_split(lightning_ckpt, tiny_demo, tmp_path, monkeypatch):
@@ -108,8 +116,8 @@ def test_zero_shot_tool_reads_a_clip_benchmark_folder_by_root_or_split(lightning
         shutil.copy(Path(tiny_demo.root) / name, root / name)
     results = []
     for i, data in enumerate((tiny_demo.eval_dir, str(root), str(root / "test"))):
-        run_tool("zero_shot.py", ["--ckpt", str(lightning_ckpt), "--data", data,
-                                  "--output-json", str(tmp_path / f"{i}.json")], monkeypatch)
+        assert run_tool("zero_shot.py", ["--ckpt", str(lightning_ckpt), "--data", data,
+                                         "--output-json", str(tmp_path / f"{i}.json")], monkeypatch) == 0
         results.append(json.loads((tmp_path / f"{i}.json").read_text()))
     keys = ("top1", "top5", "num_samples", "num_classes", "num_templates")
     assert [[r[k] for k in keys] for r in results[1:]] == [[results[0][k] for k in keys]] * 2

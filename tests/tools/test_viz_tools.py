@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -25,9 +26,15 @@ TINY_MAE = dict(image_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2,
                 decoder_depth=1, decoder_num_heads=2)
 
 
-def run_tool(name: str, args: list[str], monkeypatch):
+def run_tool(name: str, args: list[str], monkeypatch) -> int:
+    """The tool's ``main(args)`` in-process: its exit status."""
     monkeypatch.setattr(sys, "argv", [name, *args])
     return runpy.run_path(str(REPO / "tools" / name), run_name="not_main")["main"](args)
+
+
+def pngs(folder: Path) -> list[str]:
+    """The PNGs a tool wrote below ``folder``, sorted."""
+    return sorted(str(p) for p in folder.rglob("*.png"))
 
 
 def _lightning_file(module, class_path: str, path: Path) -> Path:
@@ -56,7 +63,7 @@ def _png(path: str) -> Image.Image:
     return image
 
 
-def test_attention_tool_on_mae_clip_and_timm_files(images, tiny_clip_json, tmp_path, monkeypatch):
+def test_attention_tool_on_mae_clip_and_timm_files(images, tiny_clip_json, tmp_path, monkeypatch, capsys):
     torch.manual_seed(0)
     clip = _lightning_file(CLIP(tiny_clip_json), "mmssl.models.clip.CLIP", tmp_path / "clip.ckpt")
     mae = MAE(**TINY_MAE)
@@ -70,17 +77,19 @@ def test_attention_tool_on_mae_clip_and_timm_files(images, tiny_clip_json, tmp_p
                  "--model-kwargs", '{"img_size": 32, "patch_size": 8}'],
     }
     for name, ckpt in cases.items():
-        written = run_tool("attention_maps.py", [*ckpt, "--images", *images, "--output", str(tmp_path / name)],
-                           monkeypatch)
+        assert run_tool("attention_maps.py", [*ckpt, "--images", *images, "--output", str(tmp_path / name)],
+                        monkeypatch) == 0
+        written = pngs(tmp_path / name)
         assert [Path(p).name for p in written] == ["img0_attention.png", "img1_attention.png"]
+        assert capsys.readouterr().out.split() == written  # each path printed
         for path in written:
             _png(path)
-    with pytest.raises(FileNotFoundError, match="nope.png"):
-        run_tool("attention_maps.py", ["--ckpt", str(clip), "--images", "nope.png", "--output", str(tmp_path)],
-                 monkeypatch)
+    assert run_tool("attention_maps.py", ["--ckpt", str(clip), "--images", "nope.png", "--output", str(tmp_path)],
+                    monkeypatch) == 1
+    assert "nope.png" in capsys.readouterr().err
 
 
-def test_attention_tool_keeps_same_named_images_apart(images, tmp_path, monkeypatch):
+def test_attention_tool_keeps_same_named_images_apart(images, tmp_path, monkeypatch, capsys):
     # a/x.png and b/x.png: one output each (their paths below the common folder), not one file twice.
     for sub, source in (("a", images[0]), ("b", images[1])):
         (tmp_path / sub).mkdir()
@@ -88,30 +97,46 @@ def test_attention_tool_keeps_same_named_images_apart(images, tmp_path, monkeypa
     (tmp_path / "a" / "x.jpg").write_bytes(b"")
     mae = _lightning_file(MAE(**TINY_MAE), "mmssl.models.mae.MAE", tmp_path / "mae.ckpt")
     pair = [str(tmp_path / "a" / "x.png"), str(tmp_path / "b" / "x.png")]
-    written = run_tool("attention_maps.py", ["--ckpt", str(mae), "--images", *pair, "--output", str(tmp_path / "out")],
-                       monkeypatch)
+    assert run_tool("attention_maps.py", ["--ckpt", str(mae), "--images", *pair, "--output", str(tmp_path / "out")],
+                    monkeypatch) == 0
+    written = pngs(tmp_path / "out")
     assert written == [str(tmp_path / "out" / "a" / "x_attention.png"), str(tmp_path / "out" / "b" / "x_attention.png")]
     assert _png(written[0]).tobytes() != _png(written[1]).tobytes()
     clash = [str(tmp_path / "a" / "x.png"), str(tmp_path / "a" / "x.jpg"), pair[1]]
-    with pytest.raises(ValueError, match="x.png.*and.*x.jpg.*would both"):
-        run_tool("attention_maps.py", ["--ckpt", str(mae), "--images", *clash, "--output", str(tmp_path / "o2")],
-                 monkeypatch)
+    assert run_tool("attention_maps.py", ["--ckpt", str(mae), "--images", *clash, "--output", str(tmp_path / "o2")],
+                    monkeypatch) == 1
+    assert re.fullmatch(r"attention_maps: --images .*x\.png.* and .*x\.jpg.* would both .*\n", capsys.readouterr().err)
     assert not (tmp_path / "o2").exists()  # refused before anything is written
 
 
-def test_similarity_tool_writes_one_panel_per_query(images, tiny_clip_json, tmp_path, monkeypatch):
+def test_similarity_tool_keeps_same_named_images_apart(images, tiny_clip_json, tmp_path, monkeypatch):
+    # The clash attention_maps avoids: a/x.png and b/x.png wrote one x_similarity.png twice.
+    for sub, source in (("a", images[0]), ("b", images[1])):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "x.png").write_bytes(Path(source).read_bytes())
+    clip = _lightning_file(CLIP(tiny_clip_json), "mmssl.models.clip.CLIP", tmp_path / "clip.ckpt")
+    pair = [str(tmp_path / "a" / "x.png"), str(tmp_path / "b" / "x.png")]
+    assert run_tool("similarity_map.py", ["--ckpt", str(clip), "--images", *pair, "--text", "a star",
+                                          "--output", str(tmp_path / "out")], monkeypatch) == 0
+    assert pngs(tmp_path / "out") == [str(tmp_path / "out" / s / "x_similarity.png") for s in ("a", "b")]
+
+
+def test_similarity_tool_writes_one_panel_per_query(images, tiny_clip_json, tmp_path, monkeypatch, capsys):
     torch.manual_seed(0)
     clip = _lightning_file(CLIP(tiny_clip_json), "mmssl.models.clip.CLIP", tmp_path / "clip.ckpt")
-    written = run_tool("similarity_map.py", ["--ckpt", str(clip), "--image", images[1], "--text", "a red star",
-                                             "--text", "a blue circle", "--output", str(tmp_path / "sim")], monkeypatch)
-    one = _png(written[0])
-    run_tool("similarity_map.py", ["--ckpt", str(clip), "--image", images[1], "--text", "a red star",
-                                   "--output", str(tmp_path / "sim1")], monkeypatch)
+    assert run_tool("similarity_map.py", ["--ckpt", str(clip), "--images", images[1], "--text", "a red star",
+                                          "--text", "a blue circle", "--output", str(tmp_path / "sim")], monkeypatch) == 0
+    one = _png(str(tmp_path / "sim" / "img1_similarity.png"))
+    # --image: the old spelling, still accepted
+    assert run_tool("similarity_map.py", ["--ckpt", str(clip), "--image", images[1], "--text", "a red star",
+                                          "--output", str(tmp_path / "sim1")], monkeypatch) == 0
     assert one.size[0] > Image.open(tmp_path / "sim1" / "img1_similarity.png").size[0]  # a panel more
     mae = _lightning_file(MAE(**TINY_MAE), "mmssl.models.mae.MAE", tmp_path / "mae.ckpt")
-    with pytest.raises(TypeError, match="not a CLIP"):
-        run_tool("similarity_map.py", ["--ckpt", str(mae), "--image", images[0], "--text", "x",
-                                       "--output", str(tmp_path)], monkeypatch)
+    capsys.readouterr()
+    assert run_tool("similarity_map.py", ["--ckpt", str(mae), "--images", images[0], "--text", "x",
+                                          "--output", str(tmp_path)], monkeypatch) == 1
+    assert capsys.readouterr().err == f"similarity_map: {mae}: MAE is not a CLIP: patch-text similarity needs a CLIP " \
+                                      "checkpoint or an open_clip file\n"
 
 
 def _fake_run(folder: Path, flops_per_step: float, losses: dict[int, float]) -> Path:
@@ -136,7 +161,8 @@ def test_scaling_tool_fits_and_plots(tmp_path, monkeypatch, capsys):
             curve = {s: float(power_law(flops * s, a, b, c)) + rng.normal(0, 0.003) for s in (25, 50, 100)}
             runs.append(str(_fake_run(tmp_path / f"w{i}s{seed}" / "version_0", flops, curve)))
     out = tmp_path / "fit"
-    report = run_tool("scaling_fit.py", [*runs, "--output", str(out), "--target-loss", "1.3"], monkeypatch)
+    assert run_tool("scaling_fit.py", [*runs, "--output", str(out), "--target-loss", "1.3"], monkeypatch) == 0
+    report = json.loads((out / "scaling_fit.json").read_text())
     assert len(report["points"]) == 6 and all(p["runs"] == 2 for p in report["points"])
     assert report["b"] == pytest.approx(b, abs=max(4 * report["stderr"]["b"], 0.01))
     assert report["target_compute"] == pytest.approx((a / 0.3) ** (1 / b), rel=0.5)
