@@ -14,16 +14,10 @@ from tests.conftest import REPO
 # "WARNING:logger:message" line.
 WARNING_LINE = re.compile(r"^(?:(?P<path>\S+\.py):\d+: (?:\w+Warning: )?|WARNING:[\w.]*:)(?P<message>.+)$")
 
-# Left, with why (file of origin, start of the message). Each is Lightning's, on a path mmssl
-# does not own here; the lines mmssl could prevent are gone (see the issue-29 notes in the report).
-EXPECTED = {
-    # mmssl's CSV logger shares TensorBoard's run folder (mmssl/cli.py default_loggers): Lightning's
-    # writer sees TensorBoard's event file there.
-    ("csv_logs.py", "Experiment logs directory"),
-    # The data module's loader has a length on purpose (exact epochs, every worker dealt its own
-    # shards), which Lightning always remarks on for an IterableDataset.
-    ("data.py", "Your `IterableDataset` has `__len__` defined"),
-}
+# Nothing mmssl could prevent is left: the CSV logger writes into its own reserved run folder
+# (no "Experiment logs directory ... exists" note), and the data module's deliberate loader length
+# no longer draws Lightning's IterableDataset note.
+EXPECTED: set[tuple[str, str]] = set()
 # Lightning 2.6 calling a torch 2.9 deprecated pytree API: present or not by version.
 OPTIONAL = {("_pytree.py", "`isinstance(treespec, LeafSpec)` is deprecated")}
 

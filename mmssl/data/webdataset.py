@@ -21,6 +21,7 @@ is read again, and fewer than ``world x batch`` of them are left out (reported).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 import lightning.pytorch as pl
@@ -65,6 +66,11 @@ def check_even_validation(spec: StreamSpec, where: str) -> None:
             f"number of validation batches, but the shards give ranks {counts}: use shards of equal size in a "
             f"multiple of ranks x workers ({spec.world_size} x {spec.workers}), or validate on one process")
 
+
+# The loader's length is exact by construction (the plan deals each rank and worker its own
+# shards and counts every batch), which is what Lightning's note on IterableDataset lengths warns
+# may not hold; it would print on every run, so that one message is silenced.
+warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
 
 class ImageTextDataModule(pl.LightningDataModule):
     """Image-text pairs from webdataset shards; the embedded demo set when ``train_data`` is unset.
