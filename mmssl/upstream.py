@@ -11,7 +11,7 @@ Bottom floor: imports torch and Lightning only; every mmssl module may import it
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -19,6 +19,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 # Lightning ---------------------------------------------------------------------------------------
+
+
+def lightning_cli_class_path(hparams: Mapping[str, Any]) -> Optional[str]:
+    """The model class a LightningCLI run recorded in its checkpoint's ``hyper_parameters``.
+
+    Assumes LightningCLI's instantiator saves a subclass-mode model's ``class_path`` under the key
+    ``_class_path`` of ``hparams`` (Lightning ``cli.py``, ``_InstantiatorFn``, "to clarify its
+    internal use"), which ``LightningCLI`` itself reads back for ``--ckpt_path``. No public API
+    names a checkpoint's class; the run's ``config.yaml`` is the public record, read when this is
+    ``None``.
+
+    Args:
+        hparams: a checkpoint's ``hyper_parameters``.
+
+    Returns:
+        The dotted class path, or ``None``.
+    """
+    return hparams.get("_class_path")
 
 
 def lightning_logs_this_step(trainer: pl.Trainer) -> bool:

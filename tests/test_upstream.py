@@ -8,6 +8,7 @@ instead of silently changing a user's run.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import lightning.pytorch as pl
@@ -98,6 +99,30 @@ def test_lightning_logs_at_the_counter():
         "Lightning", "fit_loop.epoch_loop._batches_that_stepped",
         f"after setting it to 10 before batch 2, batches 0..3 were logged at steps {logger.steps}, "
         "not [0, 1, 10, 11]: it is no longer the step Lightning logs at (LogStepOnResume sets it)")
+
+
+class HParamsModel(BoringModel):
+    """A model that records its hyperparameters, as every mmssl module does."""
+
+    def __init__(self, width: int = 3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_lightning_cli_records_the_class_path_in_hparams(tmp_path, monkeypatch):
+    from lightning.pytorch.cli import LightningCLI
+
+    monkeypatch.setattr(sys, "argv", ["mmssl"])  # the CLI reads args= only
+
+    cli = LightningCLI(pl.LightningModule, subclass_mode_model=True, run=False, save_config_callback=None,
+                       args=["--model=tests.test_upstream.HParamsModel", "--model.width=5",
+                             f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"])
+    hparams = dict(cli.model.hparams)
+    assert upstream.lightning_cli_class_path(hparams) == "tests.test_upstream.HParamsModel", _changed(
+        "Lightning", "LightningCLI's hyper_parameters['_class_path']",
+        f"a subclass-mode model instantiated by the CLI recorded {sorted(hparams)}, no '_class_path' naming its class "
+        "(mmssl.checkpoints.load then falls back to the run's config.yaml)")
+    assert hparams.get("width") == 5
 
 
 # torch optimizers --------------------------------------------------------------------------------
