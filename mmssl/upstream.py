@@ -6,7 +6,8 @@ what is left, so an upgrade that changes one of these internals breaks here, in
 names the library, the internal and what changed), and not in a user's run. Each docstring says
 what the function assumes and why no public API does the job.
 
-Bottom floor: imports torch and Lightning only; every mmssl module may import it.
+Bottom floor (below the ground floor): imports torch and Lightning only (open_clip's public
+``text_global_pool`` inside the one function that needs it); every mmssl module may import it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 # Lightning ---------------------------------------------------------------------------------------
+
+
+def attached_trainer(module: pl.LightningModule) -> Optional[pl.Trainer]:
+    """The trainer ``module`` is attached to, or ``None`` for a module driven by hand.
+
+    Assumes ``LightningModule._trainer``, which the public ``trainer`` setter writes. No public
+    getter answers "is there one": the ``trainer`` property raises when there is none (and
+    returns a Fabric shim under Fabric, where this gives ``None``).
+
+    Args:
+        module: any LightningModule.
+
+    Returns:
+        The trainer, or ``None``.
+    """
+    return module._trainer
 
 
 def lightning_cli_class_path(hparams: Mapping[str, Any]) -> Optional[str]:

@@ -101,6 +101,18 @@ def test_lightning_logs_at_the_counter():
         "not [0, 1, 10, 11]: it is no longer the step Lightning logs at (LogStepOnResume sets it)")
 
 
+def test_lightning_module_trainer_attribute():
+    module = BoringModel()
+    assert upstream.attached_trainer(module) is None, _changed(
+        "Lightning", "LightningModule._trainer", "a module never attached to a trainer does not hold None there")
+    with pytest.raises(RuntimeError, match="not attached"):
+        module.trainer  # why the private attribute: the public property raises here
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu")
+    module.trainer = trainer
+    assert upstream.attached_trainer(module) is trainer, _changed(
+        "Lightning", "LightningModule._trainer", "the public trainer setter no longer stores the trainer there")
+
+
 class HParamsModel(BoringModel):
     """A model that records its hyperparameters, as every mmssl module does."""
 

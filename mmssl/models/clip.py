@@ -33,7 +33,7 @@ from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.m
     OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, create_model, resolve_model_name, text_padding_is_inert)
 from mmssl.optim import Phase, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 from mmssl.retrieval import RECALL_AT, distributed_retrieval_hits
-from mmssl.upstream import open_clip_encode_text_prefix
+from mmssl.upstream import attached_trainer, open_clip_encode_text_prefix
 
 # Initial (logit_scale, logit_bias): CLIP sec. 2.5 (temperature 0.07, no bias); SigLIP sec. 3.2
 # (t' = log 10, b = -10, so training starts near the prior of mostly negative pairs).
@@ -311,7 +311,8 @@ class CLIP(pl.LightningModule):
     def configure_model(self) -> None:
         # FSDP 1 refuses 0-d parameters ("FSDP doesn't support scalar parameters"), and open_clip's
         # logit_scale / logit_bias are 0-d: Lightning calls this hook before it wraps the model.
-        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+        trainer = attached_trainer(self)
+        if trainer is not None and isinstance(trainer.strategy, FSDPStrategy):
             self.scalars_as_vectors()
 
     def scalars_as_vectors(self) -> None:
@@ -335,7 +336,7 @@ class CLIP(pl.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self.contrastive_loss(self(batch["image"], batch["text"]))
         self.log("train/loss", loss, prog_bar=True)
-        if logging_step(self._trainer):
+        if logging_step(attached_trainer(self)):
             # Lightning keeps a step's metrics only on its logging steps (log_every_n_steps), and each
             # `self.log` costs ~1 ms: log the slow-moving values only where they are kept.
             self.log("train/logit_scale", self.model.logit_scale.exp().detach())
