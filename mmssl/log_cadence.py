@@ -9,6 +9,8 @@ from typing import Optional
 
 import lightning.pytorch as pl
 
+from mmssl.upstream import lightning_logs_this_step
+
 
 def logging_step(trainer: Optional[pl.Trainer]) -> bool:
     """Whether Lightning writes this training step's ``on_step`` metrics to the loggers.
@@ -20,5 +22,4 @@ def logging_step(trainer: Optional[pl.Trainer]) -> bool:
     """
     if trainer is None:
         return True
-    connector = getattr(trainer, "_logger_connector", None)
-    return bool(getattr(connector, "should_update_logs", True))
+    return lightning_logs_this_step(trainer)

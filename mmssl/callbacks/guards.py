@@ -15,6 +15,8 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from mmssl.log_cadence import logging_step
+from mmssl.upstream import (
+    clear_found_inf, ddp_buffer_sync_state, set_ddp_buffer_sync_state, set_found_inf, takes_found_inf)
 
 
 class NonFiniteGuard(pl.Callback):
@@ -72,7 +74,7 @@ class NonFiniteGuard(pl.Callback):
         never fills (torch ``_fused_sgd``, ``is_first_step``)."""
         return (
             isinstance(optimizer, torch.optim.Adam)  # AdamW included (a subclass)
-            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and takes_found_inf(optimizer)
             and all(group.get("fused") for group in optimizer.param_groups)
             and getattr(trainer.precision_plugin, "scaler", None) is None
         )
@@ -93,7 +95,7 @@ class NonFiniteGuard(pl.Callback):
             torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         if self.sync_free(trainer, optimizer):
             self._record(bad)
-            optimizer.found_inf = bad  # read by the fused step (torch.optim.Adam.step)
+            set_found_inf(optimizer, bad)  # read by the fused step (torch.optim.Adam.step)
             self._armed.append(optimizer)
             every = self.check_every_n_steps
             if logging_step(trainer) if every is None else (trainer.global_step + 1) % every == 0:
@@ -155,8 +157,7 @@ class NonFiniteGuard(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # Disarm after the step, so a later step that skips this hook never sees a stale flag.
         for optimizer in self._armed:
-            if hasattr(optimizer, "found_inf"):
-                del optimizer.found_inf
+            clear_found_inf(optimizer)
         self._armed.clear()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -188,17 +189,18 @@ class EvaluationBufferSync(pl.Callback):
     """
 
     def __init__(self) -> None:
-        self._saved: tuple[DistributedDataParallel, bool, bool] | None = None
+        self._saved: tuple[DistributedDataParallel, tuple[bool, bool]] | None = None
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = trainer.strategy.model
         if isinstance(model, DistributedDataParallel):
-            # Both attributes are read by DDP at every forward (torch ``_pre_forward``).
-            self._saved = (model, model.broadcast_buffers, model.require_forward_param_sync)
-            model.broadcast_buffers = False
+            # Both flags are read by DDP at every forward (torch ``_pre_forward``).
+            state = ddp_buffer_sync_state(model)
+            self._saved = (model, state)
+            set_ddp_buffer_sync_state(model, (False, state[1]))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._saved is not None:
-            model, broadcast, sync = self._saved
-            model.broadcast_buffers, model.require_forward_param_sync = broadcast, sync
+            model, state = self._saved
+            set_ddp_buffer_sync_state(model, state)
             self._saved = None

@@ -16,6 +16,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from mmssl.upstream import lightning_logging_step, set_lightning_logging_step
+
 
 class LogStepOnResume(pl.Callback):
     """Put Lightning's logging step back on ``global_step`` at the first batch after a resume.
@@ -35,7 +37,6 @@ class LogStepOnResume(pl.Callback):
         if not self._check:
             return
         self._check = False
-        loop = trainer.fit_loop.epoch_loop
         if (pl_module.automatic_optimization and len(trainer.optimizers) == 1
-                and loop._batches_that_stepped == trainer.global_step + 1):
-            loop._batches_that_stepped = trainer.global_step
+                and lightning_logging_step(trainer) == trainer.global_step + 1):
+            set_lightning_logging_step(trainer, trainer.global_step)

@@ -19,6 +19,7 @@ import yaml
 
 from mmssl.checkpoints.layouts import KINDS, ModelKind, detect_kind, kind_named
 from mmssl.checkpoints.read import read_checkpoint
+from mmssl.upstream import lightning_cli_class_path
 
 
 def model_class_names() -> tuple[str, ...]:
@@ -41,7 +42,7 @@ def read_lightning(path: str) -> dict[str, Any]:
 
 def _recorded_class(path: str, checkpoint: dict[str, Any]) -> Optional[str]:
     """The class path the checkpoint, or its run's ``config.yaml`` (``run/checkpoints/x.ckpt``), records."""
-    class_path = checkpoint.get("hyper_parameters", {}).get("_class_path")
+    class_path = lightning_cli_class_path(checkpoint.get("hyper_parameters") or {})
     if class_path is None:
         config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.yaml")
         if os.path.isfile(config):

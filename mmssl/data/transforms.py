@@ -28,6 +28,7 @@ from torch.utils.data import get_worker_info
 from torchvision import transforms as T
 
 from mmssl.data.decode import REDUCED_FROM
+from mmssl.upstream import replace_timm_augment_fn
 
 OPENAI_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
@@ -259,10 +260,7 @@ def timm_train_transform(
                                      hflip=0.5 if hflip else 0.0, mean=tuple(mean), std=tuple(std), **options)
     except TypeError as err:
         raise ValueError(f"data.train_augment: not an argument of timm.data.create_transform: {err}") from None
-    for op in getattr(transform, "transforms", ()):
-        for aug in getattr(op, "ops", ()):  # timm's RandAugment / AutoAugment ops
-            if getattr(aug, "aug_fn", None) is timm_auto_augment.posterize:
-                aug.aug_fn = _posterize
+    replace_timm_augment_fn(transform, timm_auto_augment.posterize, _posterize)
     return SeededTransform(transform)
 
 

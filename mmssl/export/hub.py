@@ -170,7 +170,7 @@ def write_timm_folder(module: nn.Module, output: str, source: str = "") -> State
     Returns:
         The saved state dict.
     """
-    from timm.models._hub import save_for_hf  # timm's push_to_hf_hub writer, without the upload
+    from timm.models import save_for_hf  # timm's push_to_hf_hub writer, without the upload
 
     build = TIMM_MODELS.get(type(module).__name__)
     if build is None:

@@ -37,6 +37,7 @@ from mmssl.distributed import seed_per_rank
 from mmssl.log_cadence import logging_step
 from mmssl.models.vit import load_encoder
 from mmssl.optim import check_warmup, warmup_cosine
+from mmssl.upstream import attached_trainer
 
 # Keys a pretrained encoder does not provide: the new head, and fc_norm under global pooling
 # (MAE main_finetune.py asserts exactly these are missing after loading).
@@ -225,9 +226,10 @@ class ImageClassifier(LightningModule):
         else:
             loss = self.train_loss_fn(self(images), labels)
         self.log("train/loss", loss, prog_bar=True, batch_size=images.shape[0])
-        if self._trainer is not None and self.trainer.optimizers and logging_step(self._trainer):
+        trainer = attached_trainer(self)
+        if trainer is not None and trainer.optimizers and logging_step(trainer):
             # The head's group is at layer scale 1: this is the schedule's LR.
-            self.log("train/lr", max(g["lr"] for g in self.trainer.optimizers[0].param_groups))
+            self.log("train/lr", max(g["lr"] for g in trainer.optimizers[0].param_groups))
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
-from open_clip.transformer import text_global_pool
 from torch import Tensor
 from torchmetrics import MeanMetric, MetricCollection
 
@@ -34,6 +33,7 @@ from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.m
     OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, create_model, resolve_model_name, text_padding_is_inert)
 from mmssl.optim import Phase, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 from mmssl.retrieval import RECALL_AT, distributed_retrieval_hits
+from mmssl.upstream import attached_trainer, open_clip_encode_text_prefix
 
 # Initial (logit_scale, logit_bias): CLIP sec. 2.5 (temperature 0.07, no bias); SigLIP sec. 3.2
 # (t' = log 10, b = -10, so training starts near the prior of mostly negative pairs).
@@ -44,10 +44,20 @@ LOSS_INIT: dict[str, tuple[float, Optional[float]]] = {
 
 
 def _scalars_to_open_clip_shape(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """``state_dict`` post-hook: ``logit_scale`` / ``logit_bias`` saved 0-d, open_clip's shape."""
     for key in ("logit_scale", "logit_bias"):
         name = f"{prefix}model.{key}"
         if name in state_dict and state_dict[name].ndim == 1:
             state_dict[name] = state_dict[name].reshape(())
+
+
+def _scalars_to_own_shape(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """``load_state_dict`` pre-hook: ``logit_scale`` / ``logit_bias`` loaded in this process's
+    shape (0-d, or (1,) under FSDP)."""
+    for key in ("logit_scale", "logit_bias"):
+        param, name = getattr(module.model, key, None), f"{prefix}model.{key}"
+        if param is not None and name in state_dict and state_dict[name].numel() == 1:
+            state_dict[name] = state_dict[name].reshape(param.shape)
 
 
 class CLIP(pl.LightningModule):
@@ -175,8 +185,8 @@ class CLIP(pl.LightningModule):
         self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
         # Checkpoints hold logit_scale / logit_bias 0-d (open_clip's shape) whatever shape they
         # have in this process (1-D under FSDP, see configure_model).
-        self._register_state_dict_hook(_scalars_to_open_clip_shape)
-        self._register_load_state_dict_pre_hook(self._scalars_to_own_shape)
+        self.register_state_dict_post_hook(_scalars_to_open_clip_shape)
+        self.register_load_state_dict_pre_hook(_scalars_to_own_shape)
         unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
         if unmatched:
             rank_zero_warn(f"model.no_weight_decay: {unmatched} match no parameter of {model_name!r}")
@@ -221,16 +231,8 @@ class CLIP(pl.LightningModule):
         length = tokens.shape[1]
         if length == model.context_length:
             return model.encode_text(tokens, normalize=normalize)
-        # open_clip's CLIP.encode_text, with the positional embedding and the causal mask cut to
-        # the batch's length (it always adds all context_length positions).
-        x = model.token_embedding(tokens).to(model.transformer.get_cast_dtype())
-        x = x + model.positional_embedding[:length].to(x.dtype)
-        x = model.transformer(x, attn_mask=model.attn_mask[:length, :length])
-        x = model.ln_final(x)
-        x = text_global_pool(x, tokens, model.text_pool_type, eos_token_id=getattr(model, "text_eos_id", None))
-        if model.text_projection is not None:
-            x = model.text_projection(x) if isinstance(model.text_projection, torch.nn.Linear) else x @ model.text_projection
-        return F.normalize(x, dim=-1) if normalize else x
+        # open_clip's public encode_text always adds all context_length positions.
+        return open_clip_encode_text_prefix(model, tokens, normalize=normalize)
 
     # Probe hooks (added by the evaluation branch, issue 6): the protocol of
     # mmssl.evaluation.features, over open_clip's VisionTransformer.forward_intermediates.
@@ -309,7 +311,8 @@ class CLIP(pl.LightningModule):
     def configure_model(self) -> None:
         # FSDP 1 refuses 0-d parameters ("FSDP doesn't support scalar parameters"), and open_clip's
         # logit_scale / logit_bias are 0-d: Lightning calls this hook before it wraps the model.
-        if self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy):
+        trainer = attached_trainer(self)
+        if trainer is not None and isinstance(trainer.strategy, FSDPStrategy):
             self.scalars_as_vectors()
 
     def scalars_as_vectors(self) -> None:
@@ -319,12 +322,6 @@ class CLIP(pl.LightningModule):
             param = getattr(self.model, key, None)
             if isinstance(param, torch.nn.Parameter) and param.ndim == 0:
                 setattr(self.model, key, torch.nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
-
-    def _scalars_to_own_shape(self, state_dict: dict, prefix: str, *args: Any) -> None:
-        for key in ("logit_scale", "logit_bias"):
-            param, name = getattr(self.model, key, None), f"{prefix}model.{key}"
-            if param is not None and name in state_dict and state_dict[name].numel() == 1:
-                state_dict[name] = state_dict[name].reshape(param.shape)
 
     def on_fit_start(self) -> None:
         seed_per_rank(self.global_rank, self.trainer.world_size)  # each rank draws its own FLIP masks and dropout
@@ -339,7 +336,7 @@ class CLIP(pl.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss = self.contrastive_loss(self(batch["image"], batch["text"]))
         self.log("train/loss", loss, prog_bar=True)
-        if logging_step(self._trainer):
+        if logging_step(attached_trainer(self)):
             # Lightning keeps a step's metrics only on its logging steps (log_every_n_steps), and each
             # `self.log` costs ~1 ms: log the slow-moving values only where they are kept.
             self.log("train/logit_scale", self.model.logit_scale.exp().detach())

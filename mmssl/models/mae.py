@@ -26,6 +26,7 @@ from mmssl.models.masking import Masking, patchify, sample_noise, unpatchify
 from mmssl.log_cadence import logging_step
 from mmssl.models.vit import LayerNorm, MaskedViT, init_vit_weights, load_encoder, sincos_pos_embed_2d
 from mmssl.optim import NDIM_LT_2, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
+from mmssl.upstream import attached_trainer
 
 # timm 0.3.2 add_weight_decay, as main_pretrain.py calls it: len(shape) == 1 or name.endswith(".bias").
 MAE_NO_DECAY: tuple[str, ...] = (NDIM_LT_2, "*.bias")
@@ -331,8 +332,9 @@ class MAE(LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _, _ = self(batch["image"])
         self.log("train/loss", loss, prog_bar=True, batch_size=batch["image"].shape[0])
-        if self._trainer is not None and self.trainer.optimizers and logging_step(self._trainer):
-            self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        trainer = attached_trainer(self)
+        if trainer is not None and trainer.optimizers and logging_step(trainer):
+            self.log("train/lr", trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

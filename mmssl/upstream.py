@@ -1,0 +1,234 @@
+"""The private internals of upstream libraries that mmssl relies on, each behind one named function.
+
+Where torch, Lightning, timm or open_clip offer a public API, mmssl uses it; this module holds
+what is left, so an upgrade that changes one of these internals breaks here, in
+``tests/test_upstream.py`` (each function has a test of the assumption it makes, whose failure
+names the library, the internal and what changed), and not in a user's run. Each docstring says
+what the function assumes and why no public API does the job.
+
+Bottom floor (below the ground floor): imports torch and Lightning only (open_clip's public
+``text_global_pool`` inside the one function that needs it); every mmssl module may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Lightning ---------------------------------------------------------------------------------------
+
+
+def attached_trainer(module: pl.LightningModule) -> Optional[pl.Trainer]:
+    """The trainer ``module`` is attached to, or ``None`` for a module driven by hand.
+
+    Assumes ``LightningModule._trainer``, which the public ``trainer`` setter writes. No public
+    getter answers "is there one": the ``trainer`` property raises when there is none (and
+    returns a Fabric shim under Fabric, where this gives ``None``).
+
+    Args:
+        module: any LightningModule.
+
+    Returns:
+        The trainer, or ``None``.
+    """
+    return module._trainer
+
+
+def lightning_cli_class_path(hparams: Mapping[str, Any]) -> Optional[str]:
+    """The model class a LightningCLI run recorded in its checkpoint's ``hyper_parameters``.
+
+    Assumes LightningCLI's instantiator saves a subclass-mode model's ``class_path`` under the key
+    ``_class_path`` of ``hparams`` (Lightning ``cli.py``, ``_InstantiatorFn``, "to clarify its
+    internal use"), which ``LightningCLI`` itself reads back for ``--ckpt_path``. No public API
+    names a checkpoint's class; the run's ``config.yaml`` is the public record, read when this is
+    ``None``.
+
+    Args:
+        hparams: a checkpoint's ``hyper_parameters``.
+
+    Returns:
+        The dotted class path, or ``None``.
+    """
+    return hparams.get("_class_path")
+
+
+def lightning_logs_this_step(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes this training step's ``on_step`` metrics to the loggers.
+
+    Assumes ``trainer._logger_connector.should_update_logs``: True every ``log_every_n_steps``
+    optimizer-stepping batches (and when the run stops), the rule Lightning's ``self.log`` applies.
+    No public API: ``trainer.log_every_n_steps`` and ``global_step`` give the rule only with
+    automatic optimization, one optimizer and no resume (Lightning counts its own
+    ``_batches_that_stepped``), and the property also knows the active loop. Without the
+    attribute, every step counts (more ``self.log`` calls, the same logs).
+
+    Args:
+        trainer: the running trainer.
+
+    Returns:
+        True on the steps whose metrics Lightning keeps.
+    """
+    connector = getattr(trainer, "_logger_connector", None)
+    return bool(getattr(connector, "should_update_logs", True))
+
+
+def lightning_logging_step(trainer: pl.Trainer) -> Optional[int]:
+    """The step Lightning logs training metrics at: ``fit_loop.epoch_loop._batches_that_stepped``.
+
+    Assumes the counter exists, counts optimizer-stepping batches (``global_step`` with automatic
+    optimization and one optimizer) and is the ``step`` Lightning's logger connector passes to the
+    loggers and decides ``log_every_n_steps`` by. No public API exposes it (``global_step`` counts
+    optimizer steps, and differs after a restart, see ``mmssl.callbacks.log_step``).
+
+    Returns:
+        The counter, or ``None`` where this Lightning has none.
+    """
+    return getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", None)
+
+
+def set_lightning_logging_step(trainer: pl.Trainer, step: int) -> None:
+    """Set the counter :func:`lightning_logging_step` reads (no public setter exists).
+
+    Args:
+        trainer: the running trainer.
+        step: the value the next training batch's metrics are logged after (``step + 1``).
+    """
+    trainer.fit_loop.epoch_loop._batches_that_stepped = step
+
+
+# torch optimizers --------------------------------------------------------------------------------
+
+
+def takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` reads a ``found_inf`` flag set by :func:`set_found_inf`.
+
+    Assumes torch's ``_step_supports_amp_scaling`` attribute, which ``GradScaler`` reads to hand
+    such an optimizer its ``found_inf`` instead of reading the flag on the host (torch
+    ``amp/grad_scaler.py``); fused Adam/AdamW set it. No public API asks an optimizer this.
+
+    Args:
+        optimizer: any optimizer.
+
+    Returns:
+        True for an optimizer whose step takes ``found_inf``.
+    """
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def set_found_inf(optimizer: torch.optim.Optimizer, flag: Tensor) -> None:
+    """Make the next ``optimizer.step`` skip on the device when ``flag`` (a 0-d float) is non-zero.
+
+    Assumes fused Adam's step passes ``getattr(self, "found_inf", None)`` to the fused kernel,
+    which then leaves parameters and moments alone and takes the step count back (torch
+    ``optim/adam.py``, ``_fused_adam``). That is how ``GradScaler`` skips without a host read; no
+    public API skips a step on a device flag, and ``GradScaler`` itself exists only for fp16.
+
+    Args:
+        optimizer: an optimizer for which :func:`takes_found_inf` holds.
+        flag: 0-d float tensor, 1.0 to skip, 0.0 to step.
+    """
+    optimizer.found_inf = flag
+
+
+def clear_found_inf(optimizer: torch.optim.Optimizer) -> None:
+    """Remove the flag :func:`set_found_inf` set, so a later step does not read a stale one."""
+    if hasattr(optimizer, "found_inf"):
+        del optimizer.found_inf
+
+
+# torch DistributedDataParallel ---------------------------------------------------------------------
+
+
+def ddp_buffer_sync_state(model: nn.parallel.DistributedDataParallel) -> tuple[bool, bool]:
+    """DDP's ``(broadcast_buffers, require_forward_param_sync)``: whether its next forward
+    broadcasts the module's buffers from rank 0.
+
+    Assumes DDP's forward broadcasts exactly when both are true (torch ``_pre_forward``,
+    ``will_sync_module_buffers``) and that each forward sets ``require_forward_param_sync`` (True
+    with gradients enabled, else False, in ``_post_forward``). ``broadcast_buffers`` is a public
+    constructor argument; the flag has no public API, and ``no_sync()`` only stops the gradient
+    all-reduce.
+
+    Args:
+        model: the DDP wrapper.
+
+    Returns:
+        The two flags, to be put back with :func:`set_ddp_buffer_sync_state`.
+    """
+    return bool(model.broadcast_buffers), bool(model.require_forward_param_sync)
+
+
+def set_ddp_buffer_sync_state(model: nn.parallel.DistributedDataParallel, state: tuple[bool, bool]) -> None:
+    """Set what :func:`ddp_buffer_sync_state` reads.
+
+    Args:
+        model: the DDP wrapper.
+        state: ``(broadcast_buffers, require_forward_param_sync)``.
+    """
+    model.broadcast_buffers, model.require_forward_param_sync = state
+
+
+# open_clip ---------------------------------------------------------------------------------------
+
+
+def open_clip_encode_text_prefix(model: nn.Module, tokens: Tensor, normalize: bool = True) -> Tensor:
+    """open_clip's ``CLIP.encode_text`` on a batch cut to its first ``L < context_length`` tokens.
+
+    The body of open_clip's ``CLIP.encode_text`` (open_clip 3.x ``model.py``), with the positional
+    embedding and the causal mask cut to ``L``: the public method always adds all
+    ``context_length`` positions, so it refuses a shorter batch. Assumes that body, which the
+    test compares against the public method on padded tokens; only for a text tower where the
+    padding is inert (``mmssl.models.open_clip_config.text_padding_is_inert``).
+
+    Args:
+        model: an ``open_clip.CLIP``.
+        tokens: (B, L) token ids.
+        normalize: L2-normalise the output.
+
+    Returns:
+        (B, D) text embeddings.
+    """
+    from open_clip.transformer import text_global_pool  # public since open_clip 3.1
+
+    length = tokens.shape[1]
+    x = model.token_embedding(tokens).to(model.transformer.get_cast_dtype())  # (B, L, W)
+    x = x + model.positional_embedding[:length].to(x.dtype)
+    x = model.transformer(x, attn_mask=model.attn_mask[:length, :length])
+    x = model.ln_final(x)
+    x = text_global_pool(x, tokens, model.text_pool_type, eos_token_id=getattr(model, "text_eos_id", None))  # (B, W)
+    if model.text_projection is not None:
+        x = model.text_projection(x) if isinstance(model.text_projection, nn.Linear) else x @ model.text_projection
+    return F.normalize(x, dim=-1) if normalize else x
+
+
+# timm --------------------------------------------------------------------------------------------
+
+
+def replace_timm_augment_fn(transform: Any, old: Callable, new: Callable) -> int:
+    """Swap the image function of timm's RandAugment ops from ``old`` to ``new``.
+
+    Assumes the transform built by ``timm.data.create_transform`` is a ``Compose`` whose
+    ``transforms`` include timm's ``RandAugment`` (or ``AugMixAugment``), holding its ops as
+    ``.ops``: ``AugmentOp`` objects, each applying ``aug_fn(img, *level_args, **kwargs)``.
+    timm has no public hook to replace one op's function (its op table ``NAME_TO_OP`` is read
+    when the transform is built, so patching it would change every later transform).
+
+    Args:
+        transform: what ``create_transform`` returned.
+        old: the timm function to replace (e.g. ``timm.data.auto_augment.posterize``).
+        new: a function with the same signature.
+
+    Returns:
+        How many ops were changed.
+    """
+    changed = 0
+    for op in getattr(transform, "transforms", ()):
+        for aug in getattr(op, "ops", ()):
+            if getattr(aug, "aug_fn", None) is old:
+                aug.aug_fn = new
+                changed += 1
+    return changed

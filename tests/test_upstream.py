@@ -1,0 +1,251 @@
+"""Each upstream internal that ``mmssl.upstream`` touches still means what mmssl assumes.
+
+These run against the installed torch / Lightning / timm / open_clip, so an upgrade that changes
+one of them fails here, with a message naming the library, the internal and what changed,
+instead of silently changing a user's run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers.logger import Logger
+from torch import nn
+
+from mmssl import upstream
+
+
+def _changed(library: str, internal: str, what: str) -> str:
+    return (f"{library} changed {internal}: {what}. mmssl.upstream relies on it; update the function "
+            "there (and its callers) for this version")
+
+
+# Lightning ---------------------------------------------------------------------------------------
+
+
+class _Steps(Logger):
+    """Keeps the step of every metrics row Lightning writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[int] = []
+
+    name, version = "steps", 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if "train_x" in metrics:
+            self.steps.append(step)
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+
+class _Module(BoringModel):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("train_x", float(batch_idx))
+        return out
+
+
+class _Probe(pl.Callback):
+    def __init__(self, jump_at: int | None = None) -> None:
+        self.jump_at = jump_at
+        self.before: list[tuple[int | None, int, bool]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.jump_at:
+            upstream.set_lightning_logging_step(trainer, 10)
+        self.before.append((upstream.lightning_logging_step(trainer), trainer.global_step,
+                            upstream.lightning_logs_this_step(trainer)))
+
+
+def _fit(probe: _Probe, log_every_n_steps: int) -> _Steps:
+    logger = _Steps()
+    trainer = pl.Trainer(max_steps=4, log_every_n_steps=log_every_n_steps, logger=logger, callbacks=[probe],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, limit_val_batches=0, accelerator="cpu", devices=1)
+    trainer.fit(_Module())
+    return logger
+
+
+def test_lightning_logging_counter_and_cadence():
+    probe = _Probe()
+    logger = _fit(probe, log_every_n_steps=2)
+    counters = [c for c, _, _ in probe.before]
+    assert counters == [g for _, g, _ in probe.before] == [0, 1, 2, 3], _changed(
+        "Lightning", "fit_loop.epoch_loop._batches_that_stepped",
+        f"it no longer equals global_step before each batch (counter {counters}, global_step "
+        f"{[g for _, g, _ in probe.before]})")
+    kept = [k for _, _, k in probe.before]
+    assert kept == [False, True, False, True], _changed(
+        "Lightning", "trainer._logger_connector.should_update_logs",
+        f"with log_every_n_steps=2 it said {kept} for steps 0..3, not [False, True, False, True]")
+    assert logger.steps == [1, 3], _changed(
+        "Lightning", "the logging of on_step metrics",
+        f"with log_every_n_steps=2 batches 0..3 were written at steps {logger.steps}, not [1, 3] "
+        "(the steps should_update_logs says are kept)")
+
+
+def test_lightning_logs_at_the_counter():
+    probe = _Probe(jump_at=2)
+    logger = _fit(probe, log_every_n_steps=1)
+    assert logger.steps == [0, 1, 10, 11], _changed(
+        "Lightning", "fit_loop.epoch_loop._batches_that_stepped",
+        f"after setting it to 10 before batch 2, batches 0..3 were logged at steps {logger.steps}, "
+        "not [0, 1, 10, 11]: it is no longer the step Lightning logs at (LogStepOnResume sets it)")
+
+
+def test_lightning_module_trainer_attribute():
+    module = BoringModel()
+    assert upstream.attached_trainer(module) is None, _changed(
+        "Lightning", "LightningModule._trainer", "a module never attached to a trainer does not hold None there")
+    with pytest.raises(RuntimeError, match="not attached"):
+        module.trainer  # why the private attribute: the public property raises here
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu")
+    module.trainer = trainer
+    assert upstream.attached_trainer(module) is trainer, _changed(
+        "Lightning", "LightningModule._trainer", "the public trainer setter no longer stores the trainer there")
+
+
+class HParamsModel(BoringModel):
+    """A model that records its hyperparameters, as every mmssl module does."""
+
+    def __init__(self, width: int = 3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_lightning_cli_records_the_class_path_in_hparams(tmp_path, monkeypatch):
+    from lightning.pytorch.cli import LightningCLI
+
+    monkeypatch.setattr(sys, "argv", ["mmssl"])  # the CLI reads args= only
+
+    cli = LightningCLI(pl.LightningModule, subclass_mode_model=True, run=False, save_config_callback=None,
+                       args=["--model=tests.test_upstream.HParamsModel", "--model.width=5",
+                             f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"])
+    hparams = dict(cli.model.hparams)
+    assert upstream.lightning_cli_class_path(hparams) == "tests.test_upstream.HParamsModel", _changed(
+        "Lightning", "LightningCLI's hyper_parameters['_class_path']",
+        f"a subclass-mode model instantiated by the CLI recorded {sorted(hparams)}, no '_class_path' naming its class "
+        "(mmssl.checkpoints.load then falls back to the run's config.yaml)")
+    assert hparams.get("width") == 5
+
+
+# torch optimizers --------------------------------------------------------------------------------
+
+
+def test_fused_adam_skips_a_step_on_found_inf():
+    torch.manual_seed(0)
+    param = nn.Parameter(torch.randn(4))
+    optimizer = torch.optim.AdamW([param], lr=0.1, fused=True)
+    assert upstream.takes_found_inf(optimizer), _changed(
+        "torch", "Optimizer._step_supports_amp_scaling", "fused AdamW no longer sets it")
+    before = param.detach().clone()
+    param.grad = torch.ones(4)
+    upstream.set_found_inf(optimizer, torch.ones(()))
+    optimizer.step()
+    upstream.clear_found_inf(optimizer)
+    assert torch.equal(param.detach(), before), _changed(
+        "torch", "the fused Adam step's found_inf attribute", "a step with found_inf=1 changed the parameters")
+    state = optimizer.state[param]
+    assert float(state["step"]) == 0 and not state["exp_avg"].any(), _changed(
+        "torch", "the fused Adam step's found_inf attribute",
+        f"a skipped first step left step={float(state['step'])} or non-zero moments")
+    assert not hasattr(optimizer, "found_inf")
+    optimizer.step()  # flag cleared: a real step
+    assert not torch.equal(param.detach(), before) and float(optimizer.state[param]["step"]) == 1, _changed(
+        "torch", "the fused Adam step's found_inf attribute", "the step after clearing it did not update")
+    plain = torch.optim.SGD([param], lr=0.1)
+    assert not upstream.takes_found_inf(plain), _changed(
+        "torch", "Optimizer._step_supports_amp_scaling", "SGD (not fused) now claims it")
+
+
+# torch DistributedDataParallel ---------------------------------------------------------------------
+
+
+def test_ddp_forward_broadcasts_on_the_two_flags():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already up")
+    with tempfile.TemporaryDirectory() as root:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(root, 'store')}",
+                                             rank=0, world_size=1)
+        try:
+            model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+            x = torch.randn(4, 3)
+            with torch.no_grad():
+                model(x)
+            assert upstream.ddp_buffer_sync_state(model) == (True, False), _changed(
+                "torch", "DistributedDataParallel.require_forward_param_sync",
+                "a forward without gradients no longer sets it to False")
+            model(x)
+            assert upstream.ddp_buffer_sync_state(model) == (True, True), _changed(
+                "torch", "DistributedDataParallel.require_forward_param_sync",
+                "a forward with gradients no longer sets it to True")
+            assert model.will_sync_module_buffers(), _changed(
+                "torch", "DistributedDataParallel.will_sync_module_buffers", "the two flags set no longer mean a broadcast")
+            upstream.set_ddp_buffer_sync_state(model, (False, True))
+            assert not model.will_sync_module_buffers(), _changed(
+                "torch", "DistributedDataParallel.broadcast_buffers", "setting it False no longer stops the broadcast")
+            upstream.set_ddp_buffer_sync_state(model, (True, False))
+            assert not model.will_sync_module_buffers(), _changed(
+                "torch", "DistributedDataParallel.require_forward_param_sync",
+                "setting it False no longer stops the broadcast")
+        finally:
+            torch.distributed.destroy_process_group()
+
+
+# open_clip ---------------------------------------------------------------------------------------
+
+
+def test_open_clip_text_prefix_equals_encode_text():
+    import open_clip
+
+    torch.manual_seed(0)
+    model = open_clip.CLIP(
+        embed_dim=16, vision_cfg=open_clip.CLIPVisionCfg(layers=1, width=16, head_width=8, patch_size=8, image_size=16),
+        text_cfg=open_clip.CLIPTextCfg(context_length=12, vocab_size=64, width=16, heads=2, layers=2)).eval()
+    eot = 63  # argmax pooling: the highest id ends each caption
+    tokens = torch.zeros(3, 12, dtype=torch.long)
+    for row, n in enumerate((3, 5, 2)):
+        tokens[row, :n] = torch.randint(1, 60, (n,))
+        tokens[row, n] = eot
+    length = 6  # the longest caption, its end-of-text token included
+    with torch.no_grad():
+        full = model.encode_text(tokens, normalize=True)
+        mine = upstream.open_clip_encode_text_prefix(model, tokens[:, :length], normalize=True)
+    assert torch.allclose(mine, full, atol=1e-6), _changed(
+        "open_clip", "CLIP.encode_text", "mmssl.upstream.open_clip_encode_text_prefix, a copy of its body for a "
+        f"batch shorter than context_length, now differs from it (max difference {(mine - full).abs().max():.2e})")
+
+
+# timm --------------------------------------------------------------------------------------------
+
+
+def test_timm_randaugment_ops_apply_aug_fn():
+    from PIL import Image
+    from timm.data import auto_augment, create_transform
+
+    transform = create_transform(input_size=16, is_training=True, auto_augment="rand-m10-n1-mstd0-inc1")
+    seen = []
+
+    def black(image, bits_to_keep, **kwargs):
+        seen.append(bits_to_keep)
+        return Image.new(image.mode, image.size)
+
+    changed = upstream.replace_timm_augment_fn(transform, auto_augment.posterize, black)
+    assert changed == 1, _changed(
+        "timm", "RandAugment.ops[i].aug_fn",
+        f"create_transform(auto_augment='rand-...-inc1') holds {changed} ops whose aug_fn is timm.data.auto_augment."
+        "posterize, not 1")
+    (op,) = [aug for t in transform.transforms for aug in getattr(t, "ops", ()) if aug.aug_fn is black]
+    op.prob = 1.0
+    out = op(Image.new("RGB", (16, 16), (200, 100, 50)))
+    assert seen == [0] and out.getextrema() == ((0, 0),) * 3, _changed(
+        "timm", "AugmentOp.__call__ / PosterizeIncreasing",
+        f"at magnitude 10 the op called aug_fn with bits {seen}, not [0], or ignored its result")
