@@ -10,9 +10,11 @@ import csv
 import os
 import re
 import sys
+import warnings
 from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -105,9 +107,13 @@ class MMSSLCLI(LightningCLI):
         if self.sigterm_watchdog:
             install_sigterm_watchdog()  # SIGTERM ends the run even when a rank is stuck in a collective
 
+    def _subcommand_value(self, config: Any, key: str, default: Any = None) -> Any:
+        """``config``'s ``key`` under this subcommand (``config`` itself without one), as LightningCLI reads it."""
+        return config.get(str(self.subcommand), config).get(key, default)
+
     def instantiate_trainer(self, **kwargs) -> pl.Trainer:
-        config = self._get(self.config_init, "trainer", default={})
-        ckpt_path = self._get(self.config_init, "ckpt_path")
+        config = self._subcommand_value(self.config_init, "trainer", {})
+        ckpt_path = self._subcommand_value(self.config_init, "ckpt_path")
         if config.get("logger") in (None, True) and "logger" not in kwargs:
             root = config.get("default_root_dir") or "runs"
             callbacks = config.get("callbacks") or []
@@ -127,7 +133,7 @@ class MMSSLCLI(LightningCLI):
         elif isinstance(ckpt_path, str) and os.path.isfile(ckpt_path):
             check_checkpoint(ckpt_path)  # a truncated file is named, not a bare EOFError
         trainer = super().instantiate_trainer(**kwargs)
-        if not _configured_checkpoint_io(config, self._get(self.config, "trainer", default={})) and \
+        if not _configured_checkpoint_io(config, self._subcommand_value(self.config, "trainer", {})) and \
                 type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         # LogStepOnResume first: callbacks that log in on_train_batch_start (LearningRateMonitor)
@@ -212,40 +218,14 @@ def default_loggers(root: str, version: int, resume_step: Optional[int] = None) 
     return [tensorboard, csv_logger]
 
 
-class _ContinuedWriter(ExperimentWriter):
-    """Lightning's CSV writer, keeping the rows of ``metrics.csv`` logged before ``resume_step``.
-
-    Lightning's writer warns that a non-empty folder's logs "will be deleted" and deletes an
-    existing ``metrics.csv``. A fresh run's folder is its own (reserved empty), so this one says
-    nothing there, and refuses to replace a ``metrics.csv`` it finds; given ``resume_step`` it
-    rewrites the file with the rows at steps ``< resume_step`` and appends after them. Its header
-    becomes the known keys, so a key first logged after the resume rewrites the file with the
-    union of both runs' keys.
-    """
-
-    def __init__(self, log_dir: str, resume_step: Optional[int]) -> None:
-        self.resume_step = resume_step
-        super().__init__(log_dir)
-
-    def _check_log_dir_exists(self) -> None:  # called by __init__ instead of warning and deleting
-        if not self._fs.isfile(self.metrics_file_path):
-            return
-        if self.resume_step is None:
-            raise FileExistsError(f"{self.metrics_file_path} exists: a run that does not resume from this "
-                                  "folder's checkpoint does not overwrite its logs")
-        with self._fs.open(self.metrics_file_path, "r", newline="") as file:
-            reader = csv.DictReader(file)
-            keys = list(reader.fieldnames or [])
-            rows = [row for row in reader if row.get("step") and int(row["step"]) < self.resume_step]
-        with self._fs.open(self.metrics_file_path, "w", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=keys)
-            writer.writeheader()
-            writer.writerows(rows)
-        self.metrics_keys = keys
-
-
 class ContinuedCSVLogger(CSVLogger):
     """``CSVLogger`` that, given ``resume_step``, continues the run folder's ``metrics.csv``.
+
+    Lightning's writer warns that a non-empty folder's logs "will be deleted" and deletes an
+    existing ``metrics.csv`` when it opens. A fresh run's folder is its own (reserved empty), so
+    the warning is silenced and a ``metrics.csv`` found there is refused; given ``resume_step``
+    the rows at steps ``< resume_step`` are read first and written back as the writer's first rows
+    (its header is the union of the keys, as Lightning's writer keeps it).
 
     Args:
         resume_step: ``global_step`` of the checkpoint being resumed: rows logged at this step
@@ -258,14 +238,29 @@ class ContinuedCSVLogger(CSVLogger):
     def __init__(self, *args: Any, resume_step: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.resume_step = resume_step
+        self._writer_opened = False
 
     @property
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
-        if self._experiment is None:
-            self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = _ContinuedWriter(self.log_dir, self.resume_step)
-        return self._experiment
+        if self._writer_opened:
+            return super().experiment
+        fs, path = get_filesystem(self.log_dir), os.path.join(self.log_dir, ExperimentWriter.NAME_METRICS_FILE)
+        rows: list[dict[str, str]] = []
+        if fs.isfile(path):
+            if self.resume_step is None:
+                raise FileExistsError(f"{path} exists: a run that does not resume from this "
+                                      "folder's checkpoint does not overwrite its logs")
+            with fs.open(path, "r", newline="") as file:
+                rows = [row for row in csv.DictReader(file) if row.get("step") and int(row["step"]) < self.resume_step]
+        with warnings.catch_warnings():  # "... will be deleted": the kept rows are written back below
+            warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+            writer = super().experiment
+        self._writer_opened = True
+        if rows:
+            writer.metrics.extend(rows)
+            writer.save()
+        return writer
 
 
 def cli_main(args: Optional[list[str]] = None, sigterm_watchdog: bool = False) -> MMSSLCLI:

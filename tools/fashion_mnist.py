@@ -17,20 +17,17 @@ from __future__ import annotations
 import argparse
 import gzip
 import io
-import json
 import os
 import random
 import struct
 import sys
-import tarfile
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
 from PIL import Image
 
 from mmssl.data.labeled import write_clip_benchmark_files
-from mmssl.data.shards import prepare_output
+from mmssl.data.shards import prepare_output, write_samples
 
 _ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
 if _ROOT not in sys.path:
@@ -128,22 +125,19 @@ def write_split(images: np.ndarray, labels: np.ndarray, folder: Path, shard_size
         raise ValueError(f"{folder.name}: labels outside 0..{len(CLASSNAMES) - 1}")
     prepare_output(str(folder), overwrite)
     rng = random.Random(seed)
-    # Fixed mtime, USTAR, as mmssl's demo writer: identical bytes for identical inputs.
-    with wds.ShardWriter(str(folder / "%d.tar"), maxcount=shard_size, verbose=0, mtime=0,
-                         format=tarfile.USTAR_FORMAT) as sink:  # fmt: skip
+
+    def samples():
         for i, (image, label) in enumerate(zip(images, labels)):
             buf = io.BytesIO()
             Image.fromarray(np.ascontiguousarray(image), mode="L").save(buf, format="PNG")
-            name = CLASSNAMES[int(label)]
-            sink.write({
+            yield {
                 "__key__": f"{folder.name}{i:06d}",
                 "png": buf.getvalue(),
-                "txt": rng.choice(CAPTION_TEMPLATES).format(c=name),
+                "txt": rng.choice(CAPTION_TEMPLATES).format(c=CLASSNAMES[int(label)]),
                 "cls": str(int(label)),
-            })
-    n = len(images)
-    sizes = {f"{i}.tar": min(shard_size, n - i * shard_size) for i in range((n + shard_size - 1) // shard_size)}
-    (folder / "sizes.json").write_text(json.dumps(sizes))
+            }
+
+    sizes = write_samples(samples(), str(folder / "%d.tar"), shard_size)
     write_clip_benchmark_files(str(folder.parent), folder.name, CLASSNAMES, ZERO_SHOT_TEMPLATES)
     return sizes
 

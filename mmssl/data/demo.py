@@ -20,15 +20,14 @@ import json
 import math
 import os
 import random
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import webdataset as wds
 from PIL import Image, ImageDraw
 
 from mmssl.data.labeled import (CLASSNAMES_FILE, NSHARDS_FILE, TEMPLATES_FILE, clip_benchmark_shard_pattern,
                                  write_clip_benchmark_files)
+from mmssl.data.shards import write_samples
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "diamond")
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -167,27 +166,25 @@ def caption(attrs: dict[str, str], rng: random.Random) -> str:
 
 def _write_split(
     pattern: str, num_samples: int, shard_size: int, seed: int, image_size: int, prefix: str
-) -> int:
-    """Write ``num_samples`` scenes as shards; returns the number of shards written."""
+) -> dict[str, int]:
+    """Write ``num_samples`` scenes as shards and their ``sizes.json``; returns samples per shard."""
     rng = random.Random(seed)
     classes = {name: i for i, name in enumerate(demo_classnames())}
-    # Fixed mtime and quiet writer: identical bytes for identical inputs. USTAR: no 1 KiB pax
-    # header per member, which would triple the size of these small samples.
-    with wds.ShardWriter(
-        pattern, maxcount=shard_size, verbose=0, mtime=0, format=tarfile.USTAR_FORMAT
-    ) as sink:
+
+    def samples():
         for i in range(num_samples):
             img, attrs = draw_scene(rng, image_size)
             buf = io.BytesIO()
             img.save(buf, format="JPEG", quality=90)
-            sink.write({
+            yield {
                 "__key__": f"{prefix}{i:07d}",
                 "jpg": buf.getvalue(),
                 "txt": caption(attrs, rng),
                 "cls": str(classes[f"{attrs['color']} {attrs['shape']}"]),
                 "json": json.dumps(attrs, sort_keys=True),
-            })
-    return math.ceil(num_samples / shard_size)
+            }
+
+    return write_samples(samples(), pattern, shard_size)
 
 
 def ensure_demo_data(
@@ -233,10 +230,7 @@ def ensure_demo_data(
         for split, count, split_seed, prefix in (("train", num_train, seed, "t"), ("val", num_val, seed + 1, "v")):
             (root_path / split).mkdir(parents=True, exist_ok=True)
             pattern = clip_benchmark_shard_pattern(str(root_path), split)
-            n = _write_split(pattern, count, shard_size, split_seed, image_size, prefix)
-            # sizes.json as open_clip reads it: samples per shard, for the epoch length.
-            sizes = {f"{i}.tar": min(shard_size, count - i * shard_size) for i in range(n)}
-            (root_path / split / "sizes.json").write_text(json.dumps(sizes))
+            _write_split(pattern, count, shard_size, split_seed, image_size, prefix)
             write_clip_benchmark_files(str(root_path), split, demo_classnames(), ZERO_SHOT_TEMPLATES)
         _write_marker(root_path, {**settings, "complete": True, "files": _files_of(settings)})
     n_train, n_val = math.ceil(num_train / shard_size), math.ceil(num_val / shard_size)

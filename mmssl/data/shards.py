@@ -126,18 +126,37 @@ def write_shards(
         Samples per shard file name (what ``sizes.json`` holds).
     """
     prepare_output(output, overwrite)
-    pattern = os.path.join(output, f"{prefix}%05d.tar")
-    sizes: dict[str, int] = {}
-    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, format=tarfile.USTAR_FORMAT) as sink:
+
+    def samples():
         for i, (path, text, label) in enumerate(tqdm(items, total=total, desc="writing shards", unit="img")):
             ext, data = _encode(path, resize)
-            sample = {"__key__": f"{i:09d}", ext: data, "txt": text}
-            if label is not None:
-                sample["cls"] = str(label)
+            yield {"__key__": f"{i:09d}", ext: data, "txt": text, **({"cls": str(label)} if label is not None else {})}
+
+    return write_samples(samples(), os.path.join(output, f"{prefix}%05d.tar"), shard_size)
+
+
+def write_samples(samples: Iterable[dict], pattern: str, shard_size: int) -> dict[str, int]:
+    """Write webdataset samples to tar shards and the ``sizes.json`` beside them: the one shard
+    writer of the project (``make_shards``, the demo data, ``tools/fashion_mnist.py``).
+
+    Fixed mtime and USTAR members (no 1 KiB pax header per member, which would triple the size of
+    small samples): identical inputs give identical bytes.
+
+    Args:
+        samples: dicts of ``__key__`` and member bytes or strings (``jpg``, ``txt``, ``cls``, ...).
+        pattern: shard path with one ``%d``-style field, e.g. ``out/%05d.tar``; its folder must exist.
+        shard_size: samples per shard.
+
+    Returns:
+        Samples per shard file name, as written to ``sizes.json`` (open_clip's epoch-length file).
+    """
+    sizes: dict[str, int] = {}
+    with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, mtime=0, format=tarfile.USTAR_FORMAT) as sink:
+        for sample in samples:
             sink.write(sample)
             name = os.path.basename(sink.fname)
             sizes[name] = sizes.get(name, 0) + 1
-    Path(output, "sizes.json").write_text(json.dumps(sizes, indent=1))
+    Path(os.path.dirname(pattern) or ".", SIZES_FILE).write_text(json.dumps(sizes, indent=1))
     return sizes
 
 

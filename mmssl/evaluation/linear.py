@@ -157,6 +157,9 @@ def fit_mae_linear(
                 idx = order[i : i + batch_size]
                 if idx.numel() < 2:  # BatchNorm needs two samples to form batch statistics
                     continue
+                # MAE's main_linprobe.py schedule (util/lr_sched.py, per fractional epoch): the
+                # warm-up starts from 0 at step 0, where mmssl.optim.warmup_cosine (open_clip's
+                # cosine_lr) starts from 1/warmup; the probe keeps MAE's, so its figures are MAE's.
                 scale = step / max(1, warmup) if step < warmup else 0.5 * (
                     1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
                 for group in opt.param_groups:

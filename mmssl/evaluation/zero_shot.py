@@ -13,9 +13,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.aggregation import SumMetric
+from open_clip.zero_shot_classifier import build_zero_shot_classifier as open_clip_zero_shot_classifier
 from torchmetrics.classification import MulticlassAccuracy
 
 from mmssl.evaluation.features import frozen_eval
+
+
+class _TextTower:
+    """What open_clip's classifier builder calls: ``encode_text(tokens, normalize=True)``, in fp32
+    (the mean over prompts is taken in full precision, whatever the run's autocast)."""
+
+    def __init__(self, encode_text: Callable[[Tensor], Tensor]) -> None:
+        self._encode_text = encode_text
+
+    def encode_text(self, tokens: Tensor, normalize: bool = False) -> Tensor:
+        features = self._encode_text(tokens).float()  # (N, D)
+        return F.normalize(features, dim=-1) if normalize else features
 
 
 @torch.no_grad()
@@ -27,29 +40,27 @@ def build_zero_shot_classifier(
     device: torch.device,
     batch_size: int = 256,
 ) -> Tensor:
-    """Average the normalised embeddings of every prompt of a class (CLIP's prompt ensembling).
-
-    All C x T prompts are encoded in batches of ``batch_size`` (open_clip's
-    ``build_zero_shot_classifier`` batches the same way), not one class at a time.
+    """Average the normalised embeddings of every prompt of a class (CLIP's prompt ensembling),
+    through open_clip's own ``build_zero_shot_classifier``.
 
     Args:
         encode_text: (N, L) tokens -> (N, D) embeddings.
         tokenizer: list of strings -> (N, L) tokens.
         classnames: C class names.
-        templates: T prompt templates with a ``{c}`` placeholder.
+        templates: T prompt templates with a ``{c}`` placeholder (CLIP_benchmark's spelling;
+            open_clip's builder takes callables for them).
         device: where the tokens go.
-        batch_size: prompts per text-tower batch.
+        batch_size: about how many prompts go through the text tower at once (whole classes:
+            open_clip batches by class).
 
     Returns:
         (D, C) classifier: column c is the renormalised mean prompt embedding of class c.
     """
-    prompts = [t.format(c=name) for name in classnames for t in templates]  # class-major, C*T
-    embeddings = []
-    for start in range(0, len(prompts), batch_size):
-        tokens = tokenizer(prompts[start : start + batch_size]).to(device)  # (b, L)
-        embeddings.append(F.normalize(encode_text(tokens).float(), dim=-1))
-    emb = torch.cat(embeddings).reshape(len(classnames), len(templates), -1)  # (C, T, D)
-    return F.normalize(emb.mean(dim=1), dim=-1).T  # (D, C)
+    prompts = [lambda c, t=t: t.format(c=c) for t in templates]
+    return open_clip_zero_shot_classifier(
+        _TextTower(encode_text), tokenizer, list(classnames), prompts,
+        num_classes_per_batch=max(1, batch_size // len(templates)), device=device,
+    )
 
 
 def zero_shot_metrics(num_classes: int, device: torch.device) -> dict[str, MulticlassAccuracy]:

@@ -23,7 +23,6 @@ from mmssl.distributed import seed_per_rank
 from mmssl.log_cadence import logging_step
 from mmssl.losses import mae_loss
 from mmssl.models.masking import Masking, patchify, sample_noise, unpatchify
-from mmssl.log_cadence import logging_step
 from mmssl.models.vit import LayerNorm, MaskedViT, init_vit_weights, load_encoder, sincos_pos_embed_2d
 from mmssl.optim import NDIM_LT_2, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 from mmssl.upstream import attached_trainer
