@@ -79,3 +79,10 @@ def test_mae_loss_with_one_masked_patch_is_that_patchs_error():
 def test_mae_loss_names_both_shapes():
     with pytest.raises(ValueError, match=r"target \(2, 4, 12\) and pred \(2, 4, 6\) differ"):
         mae_loss(torch.zeros(2, 4, 12), torch.zeros(2, 4, 6), torch.ones(2, 4))
+
+
+def test_losses_build_their_labels_on_the_features_device():
+    # The meta device stands in for a GPU: labels made on the CPU would fail cross_entropy there.
+    img = torch.empty(4, 8, device="meta")
+    assert clip_loss(img, img, torch.tensor(2.0, device="meta")).device.type == "meta"
+    assert siglip_loss(img, img, torch.tensor(2.0, device="meta"), torch.tensor(1.0, device="meta")).device.type == "meta"
