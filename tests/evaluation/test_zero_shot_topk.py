@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmssl.evaluation.zero_shot import zero_shot_evaluate
+from mmssl.evaluation.zero_shot import zero_shot_evaluate, zero_shot_metrics
 
 CLASSNAMES = ["c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7"]
 # The place (0 = best) of each image's true class among the 8 scores it gets.
@@ -46,3 +46,23 @@ def test_top5_over_eight_classes_is_the_hand_count():
     assert float(out["top1"]) == pytest.approx(2 / 8)
     assert float(out["top5"]) == pytest.approx(5 / 8)
     assert float(out["num_samples"]) == 8
+
+
+def test_accuracy_is_over_samples_not_averaged_over_classes():
+    # 4 images of class 0, all right, and one of class 1, wrong: 4 of 5 samples right (micro),
+    # where the mean of per-class accuracies (macro) would say 50%.
+    labels = [0, 0, 0, 0, 1]
+    images = torch.stack([_scores(0, 0)] * 4 + [_scores(1, 3)])
+    out = zero_shot_evaluate(IdentityCLIP(), [{"image": images, "label": torch.tensor(labels)}], CLASSNAMES,
+                             ["a photo of {c}"], torch.device("cpu"))
+    assert float(out["top1"]) == pytest.approx(4 / 5) and float(out["top5"]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("classes, keys", [(4, ["top1"]), (5, ["top1", "top5"]), (8, ["top1", "top5"])])
+def test_top5_is_reported_from_five_classes_on(classes, keys):
+    assert sorted(zero_shot_metrics(classes, torch.device("cpu"))) == keys
+
+
+def test_metrics_live_on_the_requested_device():
+    # The meta device stands in for a GPU: the metrics' states must follow the model's device.
+    assert {m.device.type for m in zero_shot_metrics(8, torch.device("meta")).values()} == {"meta"}
