@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mmssl.evaluation.retrieval import retrieval_hits, retrieval_metrics
+from mmssl.evaluation.retrieval import distributed_retrieval_hits, retrieval_hits, retrieval_metrics
 
 N = 12
 # The place (0 = first) of each query's own pair among the N candidates. Places 1, 5 and 10 sit
@@ -45,3 +45,17 @@ def test_ties_rank_the_lower_candidate_index_first():
     assert hits.tolist() == [[0.0, 1.0]]
     hits = retrieval_hits(queries, torch.eye(4), torch.tensor([1]), ks=(1, 2))  # own pair first of the tie
     assert hits.tolist() == [[1.0, 1.0]]
+
+
+def test_one_process_distributed_hits_are_the_hits_of_both_directions():
+    # Without a process group every pair is this rank's: the hits of the whole set, per pair.
+    image, text = _queries(PLACES), torch.eye(N)
+    hits = distributed_retrieval_hits(image, text)
+    assert sorted(hits) == sorted(f"{d}_R@{k}" for d in ("i2t", "t2i") for k in (1, 5, 10))
+    for column, k in enumerate((1, 5, 10)):
+        assert hits[f"i2t_R@{k}"].tolist() == [float(p < k) for p in PLACES], k
+        want = retrieval_hits(text, image, torch.arange(N), ks=(k,))[:, 0]
+        assert torch.equal(hits[f"t2i_R@{k}"], want), k
+    metrics = retrieval_metrics(image, text)
+    assert {name: float(h.mean()) for name, h in hits.items()} == pytest.approx(metrics)
+    assert hits["t2i_R@1"].tolist() != hits["i2t_R@1"].tolist()  # the directions really differ here

@@ -1,0 +1,39 @@
+"""What the masking module promises beyond its invariants: unpatchify's square default and its
+error, and validation noise that depends on each image alone (so every split masks alike)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmssl.models.masking import patchify, sample_noise, unpatchify
+
+
+def test_unpatchify_assumes_a_square_grid_and_refuses_another_without_grid_size():
+    imgs = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(unpatchify(patchify(imgs, 4), 4), imgs)  # 9 patches: a 3 x 3 grid
+    with pytest.raises(ValueError, match="^6 patches do not form a square grid; pass grid_size$"):
+        unpatchify(patchify(torch.zeros(1, 3, 8, 12), 4), 4)
+
+
+def _images(n: int, seed: int) -> torch.Tensor:
+    """Images on the 1/64 grid that sample_noise quantises to (so a 0.004 shift stays in the bin)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-128, 128, (n, 3, 8, 8), generator=g).float() / 64
+
+
+def test_sample_noise_depends_on_each_image_and_the_seed_only():
+    images = _images(4, seed=1)
+    noise = sample_noise(images, 16)
+    assert noise.shape == (4, 16) and noise.dtype == torch.float32 and 0 <= noise.min() and noise.max() < 1
+    assert len({tuple(r.tolist()) for r in noise}) == 4  # every image its own noise
+    # The same image in another batch, at another place, gets the same noise.
+    torch.testing.assert_close(sample_noise(torch.stack([images[2], _images(1, seed=7)[0]]), 16)[0], noise[2],
+                               rtol=0, atol=0)
+    torch.testing.assert_close(sample_noise(images + 0.004, 16), noise, rtol=0, atol=0)  # within a bin
+    moved = images.clone()
+    moved[1, 0, 0, 0] += 1 / 64  # one pixel one bin up
+    changed = sample_noise(moved, 16)
+    assert not torch.equal(changed[1], noise[1]) and torch.equal(changed[[0, 2, 3]], noise[[0, 2, 3]])
+    assert not torch.equal(sample_noise(images, 16, seed=1), noise)  # the seed changes every mask
+    assert sample_noise(images, 7).shape == (4, 7)
