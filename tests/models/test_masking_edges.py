@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmssl.models.masking import patchify, sample_noise, unpatchify
+from mmssl.models.masking import num_kept, patchify, random_masking, sample_noise, unpatchify
 
 
 def test_unpatchify_assumes_a_square_grid_and_refuses_another_without_grid_size():
@@ -48,3 +48,29 @@ def test_sample_noise_of_a_fixed_image_is_stable():
     seeded = sample_noise(_images(2, seed=3), 4, seed=1)
     torch.testing.assert_close(seeded, torch.tensor([[0.361741, 0.756557, 0.033997, 0.473536],
                                                      [0.596961, 0.972178, 0.749209, 0.478515]]), rtol=0, atol=1e-6)
+
+
+def test_num_kept_keeps_at_least_one_patch():
+    assert num_kept(4, 0.9) == 1 and num_kept(196, 0.75) == 49 and num_kept(10, 0.0) == 10
+
+
+def test_patchify_refuses_a_side_that_the_patch_does_not_divide():
+    for h, w in ((16, 18), (18, 16)):
+        with pytest.raises(ValueError, match=f"image size {h}x{w} is not divisible by patch_size=4"):
+            patchify(torch.zeros(1, 3, h, w), 4)
+
+
+def test_random_masking_draws_from_the_generator_given_and_stays_on_the_tokens_device():
+    x = torch.zeros(3, 16, 8)
+    a = random_masking(x, 0.75, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(0)
+    b = random_masking(x, 0.75, generator=torch.Generator().manual_seed(5))
+    assert all(torch.equal(u, v) for u, v in zip(a, b))  # the generator alone decides
+    torch.manual_seed(0)
+    before = torch.rand(1)
+    torch.manual_seed(0)
+    random_masking(x, 0.75, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(torch.rand(1), before)  # and the global stream is left alone
+    # The meta device stands in for a GPU: noise and mask are made where the tokens are.
+    meta = random_masking(torch.empty(3, 16, 8, device="meta"), 0.75)
+    assert {t.device.type for t in meta} == {"meta"}
