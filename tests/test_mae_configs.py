@@ -1,5 +1,7 @@
 """The MAE recipes state the paper's hyper-parameters and build valid models (on the meta device)."""
 
+import csv
+import math
 from pathlib import Path
 
 import pytest
@@ -56,4 +58,10 @@ def test_recipe_runs_two_steps_on_cpu_at_tiny_scale(name, tmp_path, tiny_demo):
         "--data.train_num_samples=64", "--model.image_size=32", "--model.patch_size=4",
         "--model.embed_dim=64", "--model.depth=1", "--model.num_heads=4",
         "--model.decoder_embed_dim=32", "--model.decoder_depth=1", "--model.decoder_num_heads=4",
+        "--trainer.log_every_n_steps=1",
     ])
+    [run] = sorted(tmp_path.glob("version_*"))
+    with open(run / "metrics.csv", newline="") as f:
+        losses = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+    assert sorted(losses) == [0, 1]  # both optimizer steps ran and logged their loss
+    assert all(math.isfinite(v) and v > 0 for v in losses.values()), losses
