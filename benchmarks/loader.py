@@ -58,7 +58,7 @@ def mmssl_batches(shards: str, workers: int, batch_size: int, uint8: bool, reduc
     """mmssl's training loader; with ``uint8`` the batch is normalised after it arrives, as on a GPU."""
     import open_clip
 
-    from mmssl.data.webdataset import ImageTextDataModule
+    from mmssl.data.datamodule import ImageTextDataModule
 
     dm = ImageTextDataModule(train_data=shards, batch_size=batch_size, num_workers=workers, resampled=True,
                              train_num_samples=10**7, image_size=image_size,

@@ -35,7 +35,7 @@ def tiny_config(tmp_path: Path, demo_root: str, max_steps: int, **trainer) -> st
                     "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                                    "init_args": {"save_last": True, "every_n_train_steps": 2}}], **trainer},
         "model": TINY_MAE,
-        "data": {"class_path": "mmssl.data.webdataset.ImageTextDataModule",
+        "data": {"class_path": "mmssl.data.datamodule.ImageTextDataModule",
                  "init_args": {"batch_size": 8, "num_workers": 0, "demo_dir": demo_root}},
     }
     path = tmp_path / f"tiny_{max_steps}.yaml"

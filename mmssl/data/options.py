@@ -1,4 +1,4 @@
-"""Checks of :class:`~mmssl.data.webdataset.ImageTextDataModule` values, run in its constructor.
+"""Checks of :class:`~mmssl.data.datamodule.ImageTextDataModule` values, run in its constructor.
 
 jsonargparse checks types; these check ranges, so that a nonsense value (``shuffle_buffer: 0``, a
 crop scale beyond 1) stops ``mmssl fit`` before any data is read or model built, with an error

@@ -23,7 +23,7 @@ sample gets the same crop whichever slot reads it and whether or not the run was
 
 Every batch carries three small Python integers, ``__worker__``, ``__raw__`` (raw samples the
 worker has consumed this epoch) and ``__skipped__`` (samples skipped since its previous batch);
-:class:`~mmssl.data.webdataset.ImageTextDataModule` strips them before the model sees the batch.
+:class:`~mmssl.data.datamodule.ImageTextDataModule` strips them before the model sees the batch.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from mmssl.callbacks import KNNProbe, LinearProbe, ZeroShot
-from mmssl.data.webdataset import ImageTextDataModule
+from mmssl.data.datamodule import ImageTextDataModule
 from mmssl.models.clip import CLIP
 
 

@@ -8,7 +8,7 @@ import logging
 import pytest
 from shard_helpers import count_tokenizer, image_bytes, sample_members, write_tar
 
-from mmssl.data.webdataset import ImageTextDataModule
+from mmssl.data.datamodule import ImageTextDataModule
 
 JPG = image_bytes(1)
 # Every member of a good sample (image, caption, label) but one defect each.

@@ -16,7 +16,7 @@ from shard_helpers import count_tokenizer, write_dataset, write_tar
 from mmssl.checkpoints import read_checkpoint
 from mmssl.data.pipeline import worker_batches
 from mmssl.data.state import StreamPosition
-from mmssl.data.webdataset import ImageTextDataModule
+from mmssl.data.datamodule import ImageTextDataModule
 
 SIZES = [9, 7, 8, 6, 10, 5, 7, 8, 4]  # 64 samples
 

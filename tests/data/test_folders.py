@@ -18,7 +18,7 @@ from mmssl.cli import cli_main
 from mmssl.data import folders
 from mmssl.data.pipeline import worker_batches
 from mmssl.data.reading import Health, read_pieces
-from mmssl.data.webdataset import ImageTextDataModule
+from mmssl.data.datamodule import ImageTextDataModule
 
 CLASSES = ("red_fox", "cat", "dog")
 

@@ -11,7 +11,7 @@ from PIL import Image
 from shard_helpers import count_tokenizer, sample_members, write_tar
 
 from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadSample, open_image, parse_label
-from mmssl.data.webdataset import ImageTextDataModule
+from mmssl.data.datamodule import ImageTextDataModule
 
 OVERFLOW = "99999999999999999999999"
 

@@ -13,7 +13,7 @@ from torchvision import transforms as T
 
 from mmssl.data.decode import REDUCED_FROM, draft_size, open_image
 from mmssl.data.transforms import RandomResizedCropFlip, to_uint8_tensor
-from mmssl.data.webdataset import ImageTextDataModule
+from mmssl.data.datamodule import ImageTextDataModule
 from tests.data.shard_helpers import count_tokenizer
 
 

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 from shard_helpers import count_tokenizer, write_dataset
 
-from mmssl.data.webdataset import ImageTextDataModule
+from mmssl.data.datamodule import ImageTextDataModule
 
 
 def _module(data, **kwargs) -> ImageTextDataModule:

@@ -10,7 +10,7 @@ from shard_helpers import count_tokenizer, write_dataset
 
 from mmssl.data.pipeline import worker_batches
 from mmssl.data.plan import Piece, Topology, describe, fresh_base, overlap, remaining, split_base
-from mmssl.data.webdataset import ImageTextDataModule
+from mmssl.data.datamodule import ImageTextDataModule
 
 
 def test_imagenet_layout_on_640_slots_has_no_duplicates_and_equal_ranks():

@@ -36,7 +36,7 @@ def test_fsdp_refuses_uneven_validation_at_start(tmp_path):
     """Under FSDP each forward is a collective: ranks must hold equal validation batch counts."""
     from shard_helpers import write_dataset
 
-    from mmssl.data.webdataset import check_even_validation, validation_batches_per_rank
+    from mmssl.data.datamodule import check_even_validation, validation_batches_per_rank
 
     write_dataset(tmp_path, [8, 8, 8])
     urls = [str(tmp_path / f"{i:05d}.tar") for i in range(3)]

@@ -12,7 +12,7 @@ from shard_helpers import count_tokenizer, write_dataset
 
 from mmssl.data.decode import open_image
 from mmssl.data.pipeline import worker_batches
-from mmssl.data.webdataset import ImageTextDataModule
+from mmssl.data.datamodule import ImageTextDataModule
 
 
 def _module(data, **kwargs) -> ImageTextDataModule:
@@ -193,3 +193,15 @@ def test_text_padding_is_trimmed_to_the_longest_caption_before_transfer(tmp_path
         batch["text"][0, 4] = 7  # one caption reaching position 5
         batch = module.on_before_batch_transfer(batch, 0)
         assert batch["text"].shape == (4, width)
+
+
+def test_configs_naming_the_old_module_path_still_load(capsys):
+    # Saved config.yaml files and user recipes name mmssl.data.webdataset.ImageTextDataModule.
+    from mmssl.cli import cli_main
+    from tests.conftest import REPO
+
+    with pytest.raises(SystemExit) as done:
+        cli_main(["fit", "--config", str(REPO / "configs/demo/mae.yaml"),
+                  "--data.class_path=mmssl.data.webdataset.ImageTextDataModule", "--print_config"])
+    assert done.value.code in (0, None)
+    assert "ImageTextDataModule" in capsys.readouterr().out

@@ -9,7 +9,7 @@ import torch
 from shard_helpers import count_tokenizer, image_bytes, sample_members, write_dataset, write_tar
 
 from mmssl.data.pipeline import worker_batches
-from mmssl.data.webdataset import ImageTextDataModule
+from mmssl.data.datamodule import ImageTextDataModule
 
 
 def _module(**kwargs) -> ImageTextDataModule:

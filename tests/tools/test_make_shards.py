@@ -12,7 +12,7 @@ from PIL import Image
 
 from mmssl.data.pipeline import worker_batches
 from mmssl.data.shards import inspect_shards
-from mmssl.data.webdataset import ImageTextDataModule
+from mmssl.data.datamodule import ImageTextDataModule
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
