@@ -67,6 +67,6 @@ def test_a_bad_evaluation_set_stops_every_rank_at_start(tmp_path, tiny_demo, tin
         "--trainer.callbacks+=mmssl.callbacks.ZeroShot", f"--trainer.callbacks.data={unnamed}",
     ], tmp_path, timeout=180)
     assert out.returncode != 0
-    message = f"ZeroShot: data={str(unnamed)!r}: labelled set {str(unnamed)!r} has no classnames.txt"
+    message = f"ZeroShot: init_args.data={str(unnamed)!r}: labelled set {str(unnamed)!r} has no classnames.txt"
     assert out.stdout.count(message) >= 2, out.stdout[-3000:]  # raised on both ranks, in setup
     assert "Sanity Checking" not in out.stdout
