@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import Tensor
 
 
@@ -45,11 +44,43 @@ def seed_per_rank(global_rank: int, num_ranks: int) -> None:
         torch.manual_seed(torch.initial_seed() + global_rank)
 
 
+class _AllGather(torch.autograd.Function):
+    """``torch.distributed.nn.functional.all_gather`` on public collectives: torch deprecates that
+    module (FutureWarning at every step) for the private ``torch.distributed._functional_collectives``.
+
+    Forward: (B, ...) -> world x (B, ...). Backward: each rank's rows get the sum over ranks of
+    the gradients sent to them, a reduce-scatter (NCCL, XCCL), or an all-reduce of the stacked
+    gradients where the backend has none (gloo), as torch's own emulates it.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> tuple[Tensor, ...]:
+        x = x.contiguous()  # collectives need contiguous tensors
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x)
+        return tuple(parts)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor) -> Tensor:
+        stacked = torch.stack([g.contiguous() for g in grads])  # (world, B, ...)
+        if dist.get_backend() in ("nccl", "xccl"):
+            mine = torch.empty_like(stacked[0])
+            dist.reduce_scatter_tensor(mine, stacked.flatten(0, 1))
+            return mine
+        dist.all_reduce(stacked)
+        return stacked[dist.get_rank()]
+
+
+def all_gather_with_grad(x: Tensor) -> list[Tensor]:
+    """Every rank's ``x`` (the same shape on every rank), differentiable: world x (B, ...)."""
+    return list(_AllGather.apply(x))
+
+
 def gather_with_grad(x: Tensor, same_size: bool = False) -> Tensor:
     """Concatenate ``x`` from every rank in rank order, with gradients flowing back to each owner.
 
-    open_clip ``loss.gather_features(gather_with_grad=True)``: ``torch.distributed.nn``'s
-    all-gather is differentiable, and its backward sums the incoming gradients of each slice over
+    open_clip ``loss.gather_features(gather_with_grad=True)``: the all-gather is differentiable
+    (:class:`_AllGather`), and its backward sums the incoming gradients of each slice over
     ranks and returns them to the rank that produced it, so rank r's features get the gradient of
     every rank's loss terms that use them. Leading sizes may differ between ranks (validation
     shares): sizes are exchanged first, shorter tensors padded, the padding cut away.
@@ -65,7 +96,7 @@ def gather_with_grad(x: Tensor, same_size: bool = False) -> Tensor:
     if not is_distributed():
         return x
     if same_size:
-        return torch.cat(dist_fn.all_gather(x), dim=0)  # world x (B, ...) -> (world * B, ...)
+        return torch.cat(all_gather_with_grad(x), dim=0)  # world x (B, ...) -> (world * B, ...)
     world = dist.get_world_size()
     size = torch.tensor([x.shape[0]], device=x.device, dtype=torch.long)
     sizes = [torch.zeros_like(size) for _ in range(world)]
@@ -75,5 +106,5 @@ def gather_with_grad(x: Tensor, same_size: bool = False) -> Tensor:
     if x.shape[0] < longest:
         pad = x.new_zeros((longest - x.shape[0], *x.shape[1:]))
         x = torch.cat([x, pad], dim=0)  # (longest, ...)
-    parts = dist_fn.all_gather(x)  # world x (longest, ...), differentiable
+    parts = all_gather_with_grad(x)  # world x (longest, ...), differentiable
     return torch.cat([part[:n] for part, n in zip(parts, counts)], dim=0)
