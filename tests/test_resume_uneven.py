@@ -4,14 +4,13 @@ validation on. Each rank must continue from its own raw count in the checkpoint.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import yaml
 
 from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl
-from tests.data.shard_helpers import sample_members, write_tar
+from tests.data.shard_helpers import write_shards_with_bad
 
 GOOD = [10, 10, 10, 10]  # 40 good samples in 4 shards
 BAD = {1: 4, 3: 1}  # shard -> broken JPEGs at its start: whichever rank reads shard 1 skips more
@@ -20,16 +19,7 @@ RESUME_AT = 2  # of the 5 steps of the epoch (45 raw samples, 2 ranks x batch 4)
 
 def _shards(folder: Path) -> None:
     folder.mkdir()
-    index, sizes = 0, {}
-    for s, count in enumerate(GOOD):
-        members = [m for b in range(BAD.get(s, 0)) for m in
-                   ((f"bad{s}{b}.jpg", b"not a jpeg"), (f"bad{s}{b}.txt", b"x"), (f"bad{s}{b}.cls", b"0"))]
-        for _ in range(count):
-            members += sample_members(index)
-            index += 1
-        write_tar(folder / f"{s:05d}.tar", members)
-        sizes[f"{s:05d}.tar"] = count + BAD.get(s, 0)
-    (folder / "sizes.json").write_text(json.dumps(sizes))
+    write_shards_with_bad(folder, GOOD, BAD)
 
 
 def _args(tmp_path: Path, name: str, data: Path, model: str) -> list[str]:

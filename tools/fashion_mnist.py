@@ -26,8 +26,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from mmssl.data.labeled import write_clip_benchmark_files
-from mmssl.data.shards import prepare_output, write_samples
+from mmssl.data.shards import prepare_output, write_clip_benchmark_files, write_samples
 
 _ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
 if _ROOT not in sys.path:

@@ -23,9 +23,8 @@ import os
 import sys
 from pathlib import Path
 
-from mmssl.data.labeled import write_clip_benchmark_files
 from mmssl.data.folders import folder_items, shuffled
-from mmssl.data.shards import table_items, write_shards
+from mmssl.data.shards import table_items, write_clip_benchmark_files, write_shards
 
 _ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
 if _ROOT not in sys.path:

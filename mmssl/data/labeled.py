@@ -236,60 +236,6 @@ def read_templates(data: str, path: Optional[str] = None) -> list[str]:
     return templates
 
 
-def clip_benchmark_shard_pattern(root: str, split: str) -> str:
-    """``wds.ShardWriter`` pattern of a clip_benchmark split: ``root/split/%d.tar`` (``0.tar``, ...,
-    unpadded, the names its ``{0..N-1}.tar`` brace pattern expands to)."""
-    return os.path.join(root, split, "%d.tar")
-
-
-def write_clip_benchmark_files(
-    root: str, split: str, classnames: Optional[Sequence[str]] = None, templates: Optional[Sequence[str]] = None
-) -> int:
-    """Finish a clip_benchmark split whose shards ``root/split/0.tar ..`` are written.
-
-    Writes ``root/split/nshards.txt`` and, at ``root`` (where clip_benchmark reads them),
-    ``classnames.txt`` and ``zeroshot_classification_templates.txt`` when given.
-
-    Args:
-        root: the set's folder (clip_benchmark's ``--dataset_root``).
-        split: the split folder's name (clip_benchmark's ``--split``: ``train``, ``test``, ...).
-        classnames: class names in label order.
-        templates: zero-shot prompts, each with ``{c}``.
-
-    Returns:
-        The number of shards.
-
-    Raises:
-        FileNotFoundError: no ``0.tar`` in the split.
-        ValueError: other ``*.tar`` files beside ``0.tar .. N-1.tar`` (clip_benchmark would skip
-            them), class names that :func:`read_classnames` would refuse, or a template without ``{c}``.
-    """
-    folder = os.path.join(root, split)
-    n = 0
-    while os.path.isfile(os.path.join(folder, f"{n}.tar")):
-        n += 1
-    if n == 0:
-        raise FileNotFoundError(f"no shard {os.path.join(folder, '0.tar')!r} to list in {NSHARDS_FILE}")
-    stray = sorted(set(e for e in os.listdir(folder) if e.endswith(".tar")) - {f"{i}.tar" for i in range(n)})
-    if stray:
-        raise ValueError(f"{folder}: shards {stray[:3]} are not among 0.tar .. {n - 1}.tar, which clip_benchmark reads")
-    with open(os.path.join(folder, NSHARDS_FILE), "w", encoding="utf-8") as f:
-        f.write(f"{n}\n")
-    if classnames is not None:
-        problem = classnames_problem(classnames)
-        if problem is not None:
-            raise ValueError(f"classnames[{problem[0]}]: {problem[1]}")
-        with open(os.path.join(root, CLASSNAMES_FILE), "w", encoding="utf-8") as f:
-            f.write("\n".join(classnames) + "\n")
-    if templates is not None:
-        bad = [t for t in templates if "{c}" not in t]
-        if bad or not templates:
-            raise ValueError(f"every zero-shot template needs a '{{c}}' placeholder; bad: {bad[:3]}")
-        with open(os.path.join(root, TEMPLATES_FILE), "w", encoding="utf-8") as f:
-            f.write("\n".join(templates) + "\n")
-    return n
-
-
 def _decode_labeled(sample: dict, transform: Callable, image_keys: Sequence[str],
                     max_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[Any, int]:
     """Raw webdataset sample -> (transformed image, label); :class:`BadSample` says what is wrong."""

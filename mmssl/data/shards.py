@@ -23,6 +23,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from mmssl.data.decode import BadSample, SampleDecoder, parse_label
+from mmssl.data.labeled import CLASSNAMES_FILE, NSHARDS_FILE, TEMPLATES_FILE, classnames_problem
 from mmssl.data.sources import SIZES_FILE, expand_urls, is_local, read_sizes_json
 
 # inspect_shards warns about a shard whose most common label or caption covers more than this
@@ -273,3 +274,57 @@ def _summary(sample: dict) -> dict:
 
 def _identity(image):  # the default check decodes the image and keeps it as is
     return image
+
+
+def clip_benchmark_shard_pattern(root: str, split: str) -> str:
+    """``wds.ShardWriter`` pattern of a clip_benchmark split: ``root/split/%d.tar`` (``0.tar``, ...,
+    unpadded, the names its ``{0..N-1}.tar`` brace pattern expands to)."""
+    return os.path.join(root, split, "%d.tar")
+
+
+def write_clip_benchmark_files(
+    root: str, split: str, classnames: Optional[Sequence[str]] = None, templates: Optional[Sequence[str]] = None
+) -> int:
+    """Finish a clip_benchmark split whose shards ``root/split/0.tar ..`` are written.
+
+    Writes ``root/split/nshards.txt`` and, at ``root`` (where clip_benchmark reads them),
+    ``classnames.txt`` and ``zeroshot_classification_templates.txt`` when given.
+
+    Args:
+        root: the set's folder (clip_benchmark's ``--dataset_root``).
+        split: the split folder's name (clip_benchmark's ``--split``: ``train``, ``test``, ...).
+        classnames: class names in label order.
+        templates: zero-shot prompts, each with ``{c}``.
+
+    Returns:
+        The number of shards.
+
+    Raises:
+        FileNotFoundError: no ``0.tar`` in the split.
+        ValueError: other ``*.tar`` files beside ``0.tar .. N-1.tar`` (clip_benchmark would skip
+            them), class names that :func:`read_classnames` would refuse, or a template without ``{c}``.
+    """
+    folder = os.path.join(root, split)
+    n = 0
+    while os.path.isfile(os.path.join(folder, f"{n}.tar")):
+        n += 1
+    if n == 0:
+        raise FileNotFoundError(f"no shard {os.path.join(folder, '0.tar')!r} to list in {NSHARDS_FILE}")
+    stray = sorted(set(e for e in os.listdir(folder) if e.endswith(".tar")) - {f"{i}.tar" for i in range(n)})
+    if stray:
+        raise ValueError(f"{folder}: shards {stray[:3]} are not among 0.tar .. {n - 1}.tar, which clip_benchmark reads")
+    with open(os.path.join(folder, NSHARDS_FILE), "w", encoding="utf-8") as f:
+        f.write(f"{n}\n")
+    if classnames is not None:
+        problem = classnames_problem(classnames)
+        if problem is not None:
+            raise ValueError(f"classnames[{problem[0]}]: {problem[1]}")
+        with open(os.path.join(root, CLASSNAMES_FILE), "w", encoding="utf-8") as f:
+            f.write("\n".join(classnames) + "\n")
+    if templates is not None:
+        bad = [t for t in templates if "{c}" not in t]
+        if bad or not templates:
+            raise ValueError(f"every zero-shot template needs a '{{c}}' placeholder; bad: {bad[:3]}")
+        with open(os.path.join(root, TEMPLATES_FILE), "w", encoding="utf-8") as f:
+            f.write("\n".join(templates) + "\n")
+    return n

@@ -54,3 +54,19 @@ def write_dataset(folder: Path, shard_sizes: list[int], sizes_json: bool = True,
 def count_tokenizer(texts: list[str]) -> torch.Tensor:
     """A picklable stand-in for open_clip's tokenizer: one token, the caption length."""
     return torch.tensor([[len(t)] for t in texts])
+
+
+def write_shards_with_bad(folder: Path, good: list[int], bad: dict[int, int]) -> None:
+    """Shards ``00000.tar ...`` holding ``good[s]`` samples each, shard ``s`` led by ``bad[s]``
+    broken JPEGs (with caption and label, so only the image is at fault); ``sizes.json`` counts
+    them as raw samples, as a real shard lists every sample it holds."""
+    index, sizes = 0, {}
+    for s, count in enumerate(good):
+        members = [m for b in range(bad.get(s, 0)) for m in
+                   ((f"bad{s}_{b}.jpg", b"not a jpeg"), (f"bad{s}_{b}.txt", b"x"), (f"bad{s}_{b}.cls", b"0"))]
+        for _ in range(count):
+            members += sample_members(index)
+            index += 1
+        write_tar(folder / f"{s:05d}.tar", members)
+        sizes[f"{s:05d}.tar"] = count + bad.get(s, 0)
+    (folder / "sizes.json").write_text(json.dumps(sizes))

@@ -77,7 +77,7 @@ def _clip_benchmark_read(root, split="test"):
 
 
 def test_a_set_mmssl_writes_reads_back_through_clip_benchmark_rules(tmp_path):
-    from mmssl.data.labeled import clip_benchmark_shard_pattern, write_clip_benchmark_files
+    from mmssl.data.shards import clip_benchmark_shard_pattern, write_clip_benchmark_files
 
     # 12 shards: clip_benchmark reads 10.tar after 9.tar, where a sorted listing puts it after 1.tar.
     (tmp_path / "test").mkdir()
@@ -129,7 +129,7 @@ def test_a_real_clip_benchmark_folder_reads_in_every_tool(tmp_path):
 
 
 def test_write_clip_benchmark_files_refuses_what_clip_benchmark_would_not_read(tmp_path):
-    from mmssl.data.labeled import write_clip_benchmark_files
+    from mmssl.data.shards import write_clip_benchmark_files
 
     (tmp_path / "test").mkdir()
     with pytest.raises(FileNotFoundError, match="0.tar"):
@@ -206,7 +206,7 @@ def test_a_labelled_image_folder_reads_with_folder_names_and_skips_bad_images(tm
 
 
 def test_class_names_written_for_clip_benchmark_are_checked_as_read(tmp_path):
-    from mmssl.data.labeled import write_clip_benchmark_files
+    from mmssl.data.shards import write_clip_benchmark_files
 
     (tmp_path / "test").mkdir()
     write_tar(tmp_path / "test" / "0.tar", sample_members(0))

@@ -4,10 +4,9 @@ samples the uninterrupted run would have trained."""
 
 from __future__ import annotations
 
-import json
 
 import torch
-from shard_helpers import sample_members, write_tar
+from shard_helpers import write_shards_with_bad
 from test_elastic_resume import _checkpoint, _labels, _module, _rank_batches
 
 from mmssl.data.state import StreamPosition
@@ -17,17 +16,7 @@ BAD = {0: 4, 4: 3}  # shard -> broken JPEGs at its start, counted in sizes.json 
 
 
 def write_uneven(folder) -> None:
-    index, sizes = 0, {}
-    for s, count in enumerate(SIZES):
-        members = []
-        for b in range(BAD.get(s, 0)):
-            members += [(f"bad{s}_{b}.jpg", b"not a jpeg"), (f"bad{s}_{b}.txt", b"x"), (f"bad{s}_{b}.cls", b"0")]
-        for _ in range(count):
-            members += sample_members(index)
-            index += 1
-        write_tar(folder / f"{s:05d}.tar", members)
-        sizes[f"{s:05d}.tar"] = count + BAD.get(s, 0)
-    (folder / "sizes.json").write_text(json.dumps(sizes))
+    write_shards_with_bad(folder, SIZES, BAD)
 
 
 def test_each_rank_resumes_from_its_own_raw_count_after_uneven_bad_samples(tmp_path):
