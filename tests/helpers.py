@@ -21,7 +21,8 @@ class KillAtStep(pl.Callback):
 
 
 class DumpParams(pl.Callback):
-    """Save each rank's parameters to ``{folder}/rank{R}.pt`` when training ends."""
+    """Save each rank's parameters to ``{folder}/rank{R}.pt`` when training ends, and the weights
+    of an ``mmssl.callbacks.EMA``'s average under ``ema/NAME``."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
@@ -29,6 +30,10 @@ class DumpParams(pl.Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         os.makedirs(self.folder, exist_ok=True)
         state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        for callback in trainer.callbacks:
+            average = getattr(callback, "averaged_module", lambda: None)()
+            if average is not None:
+                state.update({f"ema/{k}": v.detach().cpu().clone() for k, v in average.state_dict().items()})
         torch.save(state, os.path.join(self.folder, f"rank{trainer.global_rank}.pt"))
 
 

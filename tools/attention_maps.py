@@ -49,7 +49,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _write(args: argparse.Namespace) -> None:
     names = output_names(args.images, "_attention.png")  # before anything is loaded or written
-    model = load_model(args.ckpt, args.model, args.model_kwargs, args.model_class)
+    model = load_model(args.ckpt, args.model, args.model_kwargs, args.model_class, args.ema)
     images, views = load_images(args.images, model)
     maps = attention_maps(model, images, args.head_fusion)
     os.makedirs(args.output, exist_ok=True)

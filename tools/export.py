@@ -5,6 +5,7 @@
     python tools/export.py --ckpt runs/clip/checkpoints/last.ckpt --format hf --output clip_hf/
     python tools/export.py --ckpt runs/clip/checkpoints/last.ckpt --format open_clip_hf --output clip_oc/
     python tools/export.py --ckpt runs/mae/checkpoints/last.ckpt --format timm --output vit_timm/
+    python tools/export.py --ckpt runs/mae/checkpoints/last.ckpt --format timm --output vit_ema.pth --ema
 
 ``hf`` writes a transformers CLIPModel folder (needs ``pip install -e '.[hf]'``), ``open_clip_hf``
 an open_clip hub folder (``local-dir:``), ``timm`` with a folder output a timm hub folder
@@ -30,6 +31,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from mmssl.evaluation.encoders import add_ema_argument
 from mmssl.export import FORMATS, export_checkpoint
 
 _ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
@@ -49,10 +51,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="output file (.pth / .safetensors: timm, open_clip) or folder (hf, open_clip_hf, timm)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing output file, or a folder holding an earlier export")
+    add_ema_argument(parser)
     args = parser.parse_args(argv)
 
     def export() -> None:
-        state = export_checkpoint(args.ckpt, args.format, args.output, overwrite=args.overwrite)
+        state = export_checkpoint(args.ckpt, args.format, args.output, overwrite=args.overwrite, ema=args.ema)
         print(f"wrote {len(state)} tensors ({args.format}) to {args.output}")
 
     return run("export", export)

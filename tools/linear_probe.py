@@ -57,7 +57,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _report(args: argparse.Namespace) -> None:
-    model = load_model(args.ckpt, args.model, args.model_kwargs, args.model_class)
+    model = load_model(args.ckpt, args.model, args.model_kwargs, args.model_class, args.ema)
     fit_kwargs = {"weight_decay": args.weight_decay} if args.method == "lbfgs" else {"epochs": args.epochs}
     report = linear_probe_report(
         model, args.train_data, args.val_data, args.feature, args.method, args.all_layers,

@@ -48,7 +48,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _write(args: argparse.Namespace) -> None:
     names = output_names(args.images, "_similarity.png")  # before anything is loaded or written
-    model = load_model(args.ckpt, args.model, None, args.model_class)
+    model = load_model(args.ckpt, args.model, None, args.model_class, args.ema)
     if not hasattr(model, "encode_text"):  # a user's wrong file, not a bug: one line naming it
         raise ValueError(f"{args.ckpt}: {type(model).__name__} is not a CLIP: patch-text similarity needs a CLIP "
                          "checkpoint or an open_clip file")

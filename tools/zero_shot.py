@@ -47,7 +47,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _report(args: argparse.Namespace) -> None:
-    model = load_model(args.ckpt, args.model, None, args.model_class)
+    model = load_model(args.ckpt, args.model, None, args.model_class, args.ema)
     if not hasattr(model, "encode_text"):  # a user's wrong file, not a bug: one line naming it
         raise ValueError(f"{args.ckpt}: {type(model).__name__} has no text tower: zero-shot needs a CLIP checkpoint")
     report = zero_shot_report(model, args.data, args.classnames, args.templates, args.batch_size, args.num_workers)

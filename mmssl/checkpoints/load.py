@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import yaml
 
 from mmssl.checkpoints.layouts import KINDS, ModelKind, detect_kind, kind_named
-from mmssl.checkpoints.read import read_checkpoint
+from mmssl.checkpoints.read import lightning_weights, read_checkpoint
 from mmssl.upstream import lightning_cli_class_path
 
 
@@ -27,17 +27,19 @@ def model_class_names() -> tuple[str, ...]:
     return (*(k.name for k in KINDS), *(k.class_path for k in KINDS))
 
 
-def read_lightning(path: str) -> dict[str, Any]:
-    """A Lightning checkpoint file as plain data (weights only).
+def read_lightning(path: str, ema: bool = False) -> dict[str, Any]:
+    """A Lightning checkpoint file as plain data (weights only), its ``state_dict`` the raw
+    weights, or with ``ema`` the averaged ones (:func:`mmssl.checkpoints.read.lightning_weights`).
 
     Raises:
         FileNotFoundError: no file at ``path``.
         KeyError: the file has no ``state_dict`` (a bare state dict: load it with ``--model``).
+        ValueError: ``ema`` for a checkpoint without averaged weights.
     """
     checkpoint = read_checkpoint(path)
     if not isinstance(checkpoint.get("state_dict"), dict):
         raise KeyError(f"{path} is not a Lightning checkpoint (no 'state_dict' entry): pass --model for a state dict")
-    return checkpoint
+    return {**checkpoint, "state_dict": lightning_weights(path, checkpoint, ema)}
 
 
 def _recorded_class(path: str, checkpoint: dict[str, Any]) -> Optional[str]:
@@ -105,16 +107,17 @@ def build_module(path: str, checkpoint: dict[str, Any], kind: ModelKind) -> pl.L
     return module.eval()
 
 
-def load_lightning(path: str, model_class: Optional[str] = None) -> pl.LightningModule:
+def load_lightning(path: str, model_class: Optional[str] = None, ema: bool = False) -> pl.LightningModule:
     """Load an mmssl Lightning checkpoint into its kind's class, read once, weights only.
 
     Args:
         path: the ``.ckpt`` file.
         model_class: ``MAE`` / ``CLIP`` / ``ImageClassifier`` (or their class paths), overriding
             what the checkpoint records.
+        ema: the EMA's weights (``mmssl.callbacks.EMA``) instead of the raw ones.
 
     Returns:
         The module on the CPU, in eval mode.
     """
-    checkpoint = read_lightning(path)
+    checkpoint = read_lightning(path, ema)
     return build_module(path, checkpoint, checkpoint_kind(path, checkpoint, model_class))

@@ -111,17 +111,54 @@ def read_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
     return state
 
 
-def read_state_dict(path: str) -> dict[str, torch.Tensor]:
+# Lightning's WeightAveraging (mmssl.callbacks.EMA) writes the averaged weights to "state_dict",
+# the raw ones to RAW_WEIGHTS and the AveragedModel's count to AVERAGING_STATE.
+RAW_WEIGHTS, AVERAGING_STATE = "current_model_state", "averaging_state"
+
+
+def has_averaged_weights(checkpoint: dict[str, Any]) -> bool:
+    """Whether a Lightning checkpoint was written with a weight average (``mmssl.callbacks.EMA``)."""
+    return isinstance(checkpoint.get(RAW_WEIGHTS), dict) and AVERAGING_STATE in checkpoint
+
+
+def lightning_weights(path: str, checkpoint: dict[str, Any], ema: bool = False) -> dict[str, torch.Tensor]:
+    """The raw weights of a Lightning checkpoint, or with ``ema`` its averaged ones.
+
+    Args:
+        path: the file, named in errors.
+        checkpoint: its contents, with a ``state_dict``.
+        ema: the EMA's weights (its ``state_dict``) instead of the raw ones (``current_model_state``
+            in a checkpoint with an average, else ``state_dict``).
+
+    Raises:
+        ValueError: ``ema`` asked of a checkpoint written without an average.
+    """
+    if has_averaged_weights(checkpoint):
+        return checkpoint["state_dict"] if ema else checkpoint[RAW_WEIGHTS]
+    if ema:
+        raise ValueError(f"{path}: --ema asks for averaged weights and this checkpoint holds none (no "
+                         f"'{RAW_WEIGHTS}'): it was not trained with mmssl.callbacks.EMA")
+    return checkpoint["state_dict"]
+
+
+def read_state_dict(path: str, ema: bool = False) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint file, unwrapped and with DDP's ``module.`` prefix removed.
 
     Args:
-        path: see :func:`read_checkpoint`; a Lightning checkpoint (``"state_dict"``), an MAE
-            release (``"model"``) or a bare state dict.
+        path: see :func:`read_checkpoint`; a Lightning checkpoint (``"state_dict"``; its raw
+            weights when it holds an EMA too, see :func:`lightning_weights`), an MAE release
+            (``"model"``) or a bare state dict.
+        ema: a Lightning checkpoint's averaged weights (refused for a file without them).
 
     Returns:
         The state dict, keys otherwise as stored.
     """
     state: dict[str, Any] = read_checkpoint(path)
+    if isinstance(state.get("state_dict"), dict):
+        return strip_ddp(lightning_weights(path, state, ema))
+    if ema:
+        raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this file is no "
+                         "Lightning checkpoint (no 'state_dict')")
     for key in ("state_dict", "model"):
         if isinstance(state.get(key), dict):
             state = state[key]

@@ -22,7 +22,7 @@ from mmssl.checkpoints import read_state_dict
 from mmssl.checkpoints.load import load_lightning, model_class_names
 from mmssl.models.classifier import vit_block_features, vit_probe_tokens
 
-__all__ = ["TimmEncoder", "add_checkpoint_arguments", "is_open_clip_name", "load_lightning", "load_model",
+__all__ = ["TimmEncoder", "add_checkpoint_arguments", "add_ema_argument", "is_open_clip_name", "load_lightning", "load_model",
            "load_state_dict_model", "model_class_names"]
 
 
@@ -58,7 +58,7 @@ class TimmEncoder(nn.Module):
 def add_checkpoint_arguments(parser: argparse.ArgumentParser, state_dict_models: str = "timm name, open_clip name or .json",
                              model_kwargs: bool = True) -> None:
     """The tools' checkpoint arguments: ``--ckpt``, ``--model``, ``--model-kwargs``, ``--model-class``
-    (the arguments of :func:`load_model`).
+    and ``--ema`` (the arguments of :func:`load_model`).
 
     Args:
         parser: the tool's parser.
@@ -71,6 +71,18 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser, state_dict_models:
         parser.add_argument("--model-kwargs", type=json.loads, default=None, help="JSON dict for timm.create_model")
     parser.add_argument("--model-class", choices=model_class_names(),
                         help="model class if the checkpoint records none (only mmssl's own are built)")
+    add_ema_argument(parser)
+
+
+def add_ema_argument(parser: argparse.ArgumentParser) -> None:
+    """``--ema``: a Lightning checkpoint's averaged weights (``mmssl.callbacks.EMA``) instead of its raw ones.
+
+    Args:
+        parser: the tool's parser.
+    """
+    parser.add_argument("--ema", action="store_true",
+                        help="use the checkpoint's EMA of the weights (trained with mmssl.callbacks.EMA; a "
+                             "checkpoint without one is refused); default: the raw weights")
 
 
 def is_open_clip_name(name: str) -> bool:
@@ -106,7 +118,8 @@ def load_state_dict_model(path: str, model: str, model_kwargs: Optional[dict] = 
 
 
 def load_model(
-    path: str, model: Optional[str] = None, model_kwargs: Optional[dict] = None, model_class: Optional[str] = None
+    path: str, model: Optional[str] = None, model_kwargs: Optional[dict] = None, model_class: Optional[str] = None,
+    ema: bool = False,
 ) -> nn.Module:
     """Load a Lightning checkpoint, or a state dict when ``model`` names its architecture.
 
@@ -116,6 +129,8 @@ def load_model(
         model_kwargs: ``timm.create_model`` extras.
         model_class: ``MAE`` / ``CLIP`` / ``ImageClassifier`` (or their class paths) for
             checkpoints that record none.
+        ema: a Lightning checkpoint's averaged weights (refused for a state dict, or a
+            checkpoint trained without ``mmssl.callbacks.EMA``).
 
     Returns:
         The module with the probe protocol, in eval mode, on the CPU.
@@ -123,5 +138,8 @@ def load_model(
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--ckpt: no file at {path!r}")
     if model:
+        if ema:
+            raise ValueError(f"--ema reads a Lightning checkpoint's averaged weights; {path} is loaded as a state "
+                             f"dict (--model {model}), which holds one set of weights")
         return load_state_dict_model(path, model, model_kwargs)
-    return load_lightning(path, model_class)
+    return load_lightning(path, model_class, ema)

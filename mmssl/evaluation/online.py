@@ -176,7 +176,8 @@ def probe_features(trainer: pl.Trainer, pl_module: pl.LightningModule, spec: Pro
     strategy's ``all_gather`` (so every rank fits the same probe), the val parts stay local and
     the metrics reduce across ranks.
     """
-    key = (id(trainer), trainer.global_step, trainer.current_epoch, str(trainer.state.fn))
+    # The module too: mmssl.callbacks.EMA probes its averaged copy after the module itself.
+    key = (id(trainer), id(pl_module), trainer.global_step, trainer.current_epoch, str(trainer.state.fn))
     for layers in ((True, False) if not spec.layers else (True,)):
         hit = _cache.get(key + (ProbeSpec(**{**spec.__dict__, "layers": layers}),))
         if hit is not None:

@@ -95,7 +95,7 @@ def check_format(kind: ModelKind, format: str) -> None:
                          f"{kind.name} one ({kind.name} exports with --format {' / '.join(kind.formats)})")
 
 
-def export_checkpoint(ckpt: str, format: str, output: str, overwrite: bool = False) -> StateDict:
+def export_checkpoint(ckpt: str, format: str, output: str, overwrite: bool = False, ema: bool = False) -> StateDict:
     """Convert ``ckpt`` to ``format`` and save it to ``output``.
 
     The destination is checked first (:func:`mmssl.export.paths.check_output`), the checkpoint
@@ -109,6 +109,8 @@ def export_checkpoint(ckpt: str, format: str, output: str, overwrite: bool = Fal
             ``torch.save``; a folder format writes the folder ``output`` (``timm``: a folder
             when ``output`` has none of :data:`FILE_SUFFIXES` or is a folder already).
         overwrite: replace an existing file, or a folder of an earlier export.
+        ema: export the checkpoint's EMA of the weights (``mmssl.callbacks.EMA``) instead of
+            its raw weights; a checkpoint without one is refused, naming the file.
 
     Returns:
         The exported state dict.
@@ -122,7 +124,7 @@ def export_checkpoint(ckpt: str, format: str, output: str, overwrite: bool = Fal
     if folder and output.endswith(FILE_SUFFIXES) and not os.path.isdir(output):
         raise ValueError(f"--format {format} writes a folder: --output {output!r} names a file")
     check_output(output, folder, overwrite)
-    checkpoint = read_lightning(ckpt)  # once, weights only
+    checkpoint = read_lightning(ckpt, ema)  # once, weights only; raw or averaged
     try:
         kind = checkpoint_kind(ckpt, checkpoint)
     except ValueError:

@@ -1,0 +1,145 @@
+"""mmssl.callbacks.EMA: the average against a hand-written EMA, its checkpoint keys, and the one
+reader's choice of raw or averaged weights (tools' ``--ema``). The exact resume, 1 and 2 ranks and
+``evaluate: both`` through the CLI are in tests/test_resume.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from mmssl.callbacks import EMA
+from mmssl.callbacks.ema import ema_decay
+from mmssl.checkpoints.load import load_lightning, read_lightning
+from mmssl.checkpoints.read import read_state_dict
+from mmssl.export import export_checkpoint, to_timm
+from mmssl.models.mae import MAE
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MAE = dict(image_size=32, patch_size=4, embed_dim=32, depth=1, num_heads=2,
+                decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2)
+
+
+@pytest.mark.parametrize("decay", [0.0, 1.0, 1.5, -0.1])
+def test_decay_outside_the_open_unit_interval_is_refused_naming_the_key(decay):
+    with pytest.raises(ValueError, match=r"EMA: init_args.decay .* must be in \(0, 1\), got"):
+        EMA(decay=decay)
+
+
+def test_other_settings_are_refused_naming_their_key():
+    for kwargs, key in (({"update_every_n_steps": 0}, "update_every_n_steps"), ({"warmup_power": 0}, "warmup_power"),
+                        ({"evaluate": "average"}, "evaluate")):
+        with pytest.raises(ValueError, match=f"init_args.{key}"):
+            EMA(**kwargs)
+
+
+def test_warmup_follows_timm_model_ema_v3():
+    timm_ema = pytest.importorskip("timm.utils.model_ema")
+    reference = timm_ema.ModelEmaV3(nn.Linear(1, 1), decay=0.99, use_warmup=True, warmup_power=0.75)
+    for step in (0, 1, 5, 100, 10**6):
+        # timm counts the update (1 = the first), mmssl the optimizer step before it (0 = the first)
+        assert ema_decay(0.99, step, 0.75) == pytest.approx(reference.get_decay(step + 1), abs=0)
+    assert ema_decay(0.99, 7) == 0.99
+
+
+class _BNNet(pl.LightningModule):
+    """A linear layer and a BatchNorm: parameters, float buffers and an integer buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class _Record(pl.Callback):
+    """The module's state after every optimizer step (listed before EMA: it sees the same state)."""
+
+    def __init__(self) -> None:
+        self.states: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.states.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+
+
+def test_average_is_the_ema_of_every_nth_step_with_warmup_and_buffers(tmp_path):
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(28, 4)), batch_size=4)
+    record, ema = _Record(), EMA(decay=0.8, warmup_power=0.75, update_every_n_steps=2, evaluate="raw")
+    trainer = pl.Trainer(max_steps=7, callbacks=[record, ema], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu")
+    model = _BNNet()
+    trainer.fit(model, data)
+    want: dict[str, torch.Tensor] = {}
+    for step, state in enumerate(record.states):
+        if step % 2:
+            continue
+        d = ema_decay(0.8, step, 0.75)
+        want = dict(state) if not want else {
+            k: (d * want[k] + (1 - d) * v if v.is_floating_point() else v) for k, v in state.items()}
+    got = ema.averaged_module().state_dict()
+    assert want.keys() == got.keys() and "net.1.running_mean" in got
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-6, msg=key)
+    assert got["net.1.num_batches_tracked"] == 7 and record.states[6]["net.1.num_batches_tracked"] == 7
+    assert not torch.equal(got["net.0.weight"], model.net[0].weight)  # evaluate: raw keeps the raw weights
+
+    # The checkpoint: WeightAveraging's convention, read back raw by default, averaged with ema.
+    path = tmp_path / "ema.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    assert torch.equal(checkpoint["state_dict"]["net.0.weight"], got["net.0.weight"])
+    assert torch.equal(checkpoint["current_model_state"]["net.0.weight"], model.net[0].weight)
+    assert int(checkpoint["averaging_state"]["n_averaged"]) == 4
+    assert torch.equal(read_state_dict(str(path))["net.0.weight"], model.net[0].weight)
+    assert torch.equal(read_state_dict(str(path), ema=True)["net.0.weight"], got["net.0.weight"])
+
+
+def _mae_checkpoint(path: Path, ema: bool) -> tuple[dict, dict]:
+    """A tiny MAE checkpoint; with ``ema``, an 'averaged' state beside the raw one."""
+    torch.manual_seed(0)
+    model = MAE(**TINY_MAE)
+    raw = model.state_dict()
+    averaged = {k: v + 0.01 if v.is_floating_point() else v for k, v in raw.items()}
+    hparams = {**dict(model.hparams), "_class_path": "mmssl.models.mae.MAE"}
+    checkpoint = {"state_dict": averaged if ema else raw, "hyper_parameters": hparams}
+    if ema:
+        checkpoint.update(current_model_state=raw, averaging_state={"n_averaged": torch.tensor(3)})
+    torch.save(checkpoint, path)
+    return raw, averaged
+
+
+def test_loaders_and_export_read_raw_weights_unless_ema(tmp_path):
+    raw, averaged = _mae_checkpoint(tmp_path / "ema.ckpt", ema=True)
+    ckpt = str(tmp_path / "ema.ckpt")
+    assert torch.equal(read_lightning(ckpt)["state_dict"]["encoder.cls_token"], raw["encoder.cls_token"])
+    module = load_lightning(ckpt, ema=True)
+    assert torch.equal(module.state_dict()["encoder.cls_token"], averaged["encoder.cls_token"])
+    for ema, want in ((False, raw), (True, averaged)):
+        out = tmp_path / f"timm_{ema}.pth"
+        state = export_checkpoint(ckpt, "timm", str(out), ema=ema)
+        for key, value in to_timm(want).items():
+            assert torch.equal(state[key], value), key
+
+
+def test_ema_of_a_checkpoint_without_one_is_refused_naming_the_file(tmp_path, capsys):
+    _mae_checkpoint(tmp_path / "plain.ckpt", ema=False)
+    ckpt = str(tmp_path / "plain.ckpt")
+    with pytest.raises(ValueError, match="plain.ckpt: --ema asks for averaged weights"):
+        load_lightning(ckpt, ema=True)
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from tools.export import main
+
+    assert main(["--ckpt", ckpt, "--format", "timm", "--output", str(tmp_path / "x.pth"), "--ema"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("export: ") and "plain.ckpt" in err and "--ema" in err and err.count("\n") == 1
+    assert not (tmp_path / "x.pth").exists()
