@@ -32,6 +32,7 @@ import yaml
 
 from mmssl.callbacks.rng_state import RNGState, collect_rng_states, set_rng_states
 from mmssl.cli import ContinuedCSVLogger, main, resume_checkpoint
+from tests.cli_runs import last_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 MICRO_CLIP = str(REPO / "configs" / "models" / "clip_micro.json")
@@ -88,6 +89,11 @@ def _config(tmp_path: Path, root: Path, demo_root: str, batch_size: int, workers
                 {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor",
                  "init_args": {"logging_interval": "step"}},  # logs in on_train_batch_start
                 {"class_path": "tests.helpers.DumpParams", "init_args": {"folder": str(root / "params")}},
+                # An EMA updated every 2nd step with a warm-up, validated beside the raw weights:
+                # its average, update count and last update step resume exactly too.
+                {"class_path": "mmssl.callbacks.EMA",
+                 "init_args": {"decay": 0.8, "warmup_power": 0.75, "update_every_n_steps": 2, "evaluate": "both"}},
+                {"class_path": "mmssl.callbacks.ZeroShot"},  # scored for both sets of weights
             ],
         },
         "model": {"init_args": {"model_name": MICRO_CLIP, "warmup_steps": 2, "image_mask_ratio": 0.5,
@@ -105,10 +111,14 @@ def _kill_at(step: int) -> list[str]:
 
 
 def _assert_same_params(root: Path, reference: Path, ranks: int = 1) -> None:
+    """Each rank's final parameters, and its EMA's (``ema/*``, tests.helpers.DumpParams), equal the
+    uninterrupted run's; under DDP every rank's EMA equals rank 0's."""
     for rank in range(ranks):
         got = torch.load(root / "params" / f"rank{rank}.pt", weights_only=True)
         want = torch.load(reference / "params" / f"rank{rank}.pt", weights_only=True)
         assert got.keys() == want.keys()
+        first = torch.load(root / "params" / "rank0.pt", weights_only=True)
+        assert all(torch.equal(got[k], first[k]) for k in got if k.startswith("ema/")), f"rank {rank}'s EMA"
         differ = {k: (got[k] - want[k]).abs().max().item() for k in want if not torch.equal(got[k], want[k])}
         assert not differ, f"rank {rank}: parameters differ from the uninterrupted run: {differ}"
 
@@ -197,6 +207,30 @@ def test_sigkilled_run_resumes_mid_epoch_exactly(single):
     assert _position(killed) == _position(reference)  # the data stream agrees with the step count
     _assert_same_params(killed, reference)
     _assert_same_logs(killed / "version_0", reference / "version_0")
+    # WeightAveraging's layout: the EMA in state_dict, the raw weights beside it; 7 updates (steps 0, 2, .., 12).
+    params = torch.load(killed / "params" / "rank0.pt", weights_only=True)
+    key = "model.visual.proj"
+    assert torch.equal(ckpt["state_dict"][key], params[f"ema/{key}"])
+    assert torch.equal(ckpt["current_model_state"][key], params[key])
+    assert int(ckpt["averaging_state"]["n_averaged"]) == 7 and ckpt["callbacks"]["EMA"]["latest_update_step"] == 13
+    logged = last_metrics(reference / "version_0")
+    for name in ("val/loss", "val/zero_shot_top1", "val/i2t_R@1"):
+        assert name in logged and f"{name}_ema" in logged, sorted(logged)
+    assert logged["val/loss"] != logged["val/loss_ema"]
+
+
+def test_validate_scores_the_raw_and_averaged_weights_of_a_checkpoint_as_fit_did(single, tmp_path):
+    # The checkpoint written after epoch 0's validation (step 8): `mmssl validate` with the run's
+    # config (EMA evaluate: both) logs what fit logged at that validation, for both sets of weights.
+    reference, root = single["reference"], tmp_path / "validate"
+    args = single["args"](root)
+    main(["validate", *args[1:], f"--ckpt_path={reference / 'validated' / 'epoch=0-step=8.ckpt'}"])
+    with open(reference / "version_0" / "metrics.csv", newline="") as f:
+        fit = {k: float(v) for row in csv.DictReader(f) if row["step"] == "7"
+               for k, v in row.items() if v and k.startswith("val/")}
+    got = last_metrics(root / "version_0")
+    assert {"val/loss_ema", "val/zero_shot_top1_ema"} <= set(fit)
+    assert got == pytest.approx(fit, rel=1e-6)
 
 
 @pytest.mark.parametrize("saved", ["boundary", "validated"])

@@ -10,7 +10,9 @@ Composed onto MAE, CLIP or ImageClassifier from YAML::
 The average is torch's ``AveragedModel`` with torch's EMA update (``get_ema_multi_avg_fn``: one
 foreach ``lerp`` per device and dtype) over the parameters and the floating-point buffers
 (``use_buffers=True``, as Lightning's default: BatchNorm statistics are averaged too); integer
-buffers such as ``num_batches_tracked`` are copied, as timm's ``ModelEmaV3`` does. Each rank
+buffers such as ``num_batches_tracked`` are copied, as timm's ``ModelEmaV3`` does, and so are
+non-persistent buffers (constants that checkpoints do not hold, such as open_clip's causal
+attention mask, whose ``-inf`` entries would average to ``nan``). Each rank
 updates its own copy from the same (DDP-synchronised) weights, so the copies agree on every rank.
 
 Checkpoints follow ``WeightAveraging``'s convention: ``state_dict`` holds the **averaged** weights
@@ -106,19 +108,26 @@ class EMA(WeightAveraging):
         self.decay, self.warmup_power, self.warmup_gamma = decay, warmup_power, warmup_gamma
         self.update_every_n_steps, self.evaluate = update_every_n_steps, evaluate
         self._decay_now = decay
+        self._copied: set[int] = set()  # storage of the non-persistent buffers of the average
         self._copy: Optional[pl.LightningModule] = None  # the averaged module of ``mmssl validate``
-        self._raw: Optional[dict[str, Tensor]] = None  # the raw weights ``mmssl validate`` puts back
 
     # ---- averaging -----------------------------------------------------------------------------
 
     @torch.no_grad()
     def _update(self, averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
-        # AveragedModel groups the tensors by device and dtype: one call per group.
-        if averaged[0].is_floating_point() or averaged[0].is_complex():
-            get_ema_multi_avg_fn(self._decay_now)(averaged, current, num_averaged)
-        else:  # integer buffers (BatchNorm's num_batches_tracked): copied, as timm ModelEmaV3
+        # AveragedModel groups the tensors by device and dtype: one call per group. Copied, not
+        # averaged: integer buffers (BatchNorm's num_batches_tracked), as timm ModelEmaV3 does, and
+        # non-persistent buffers (constants outside the checkpoint, like open_clip's causal mask
+        # whose -inf would average to nan).
+        pairs = [(a, c) for a, c in zip(averaged, current)
+                 if (a.is_floating_point() or a.is_complex()) and a.data_ptr() not in self._copied]
+        if pairs:
+            get_ema_multi_avg_fn(self._decay_now)([a for a, _ in pairs], [c for _, c in pairs], num_averaged)
+        if len(pairs) < len(averaged):
+            kept = {id(a) for a, _ in pairs}
             for a, c in zip(averaged, current):
-                a.copy_(c)
+                if id(a) not in kept:
+                    a.copy_(c)
 
     def should_update(self, step_idx: Optional[int] = None, epoch_idx: Optional[int] = None) -> bool:
         """After optimizer steps 0, n, 2n, ... (``update_every_n_steps``); never at epoch ends."""
@@ -147,31 +156,31 @@ class EMA(WeightAveraging):
                 pl_module.configure_model()
             self._average_model = AveragedModel(pl_module, device=pl_module.device, use_buffers=True,
                                                 multi_avg_fn=self._update)
+            module = self._average_model.module
+            persistent = set(module.state_dict())
+            self._copied = {b.data_ptr() for name, b in module.named_buffers() if name not in persistent and b.numel()}
             self._attach(self._average_model.module, trainer, pl_module)
-        elif stage == "validate":
-            self._check_validate_checkpoint(trainer)
 
-    def _check_validate_checkpoint(self, trainer: pl.Trainer) -> None:
-        """``mmssl validate``: Lightning loads ``state_dict`` (the averaged weights of an EMA run);
-        keep the raw ones for ``raw`` / ``both``, and refuse ``ema`` / ``both`` without an EMA."""
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``mmssl validate``: Lightning has loaded ``state_dict``, the averaged weights of an EMA
+        checkpoint. ``ema`` keeps them, ``raw`` loads the raw ones, ``both`` keeps the average in a
+        copy and loads the raw ones; ``ema`` / ``both`` refuse a checkpoint without an average,
+        before any batch (every rank reads the same file, so all stop together)."""
+        if trainer.state.fn != "validate":
+            return
         path = trainer.ckpt_path
-        checkpoint = read_checkpoint(path) if path else {}
+        checkpoint = read_checkpoint(str(path)) if path else {}
         if not has_averaged_weights(checkpoint):
             if self.evaluate != "raw":
                 raise ValueError(f"EMA: init_args.evaluate={self.evaluate!r} needs --ckpt_path of a checkpoint "
-                                 f"trained with mmssl.callbacks.EMA; {path or 'no checkpoint'} holds no averaged "
-                                 "weights (no 'current_model_state'): set evaluate: raw or drop the callback")
+                                 f"trained with mmssl.callbacks.EMA; {path or 'no checkpoint'}: no averaged "
+                                 f"weights (no '{RAW_WEIGHTS}'): set evaluate: raw or drop the callback")
             return
-        self._raw = checkpoint[RAW_WEIGHTS]
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn != "validate" or self._raw is None:
-            return
-        if self.evaluate == "both":  # the module holds the averaged weights now: keep them in a copy
+        if self.evaluate == "both":
             self._copy = deepcopy(pl_module)
             self._attach(self._copy, trainer, pl_module)
-        pl_module.load_state_dict(self._raw)
-        self._raw = None
+        if self.evaluate != "ema":
+            pl_module.load_state_dict(checkpoint[RAW_WEIGHTS])
 
     @staticmethod
     def _attach(module: pl.LightningModule, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -186,6 +195,9 @@ class EMA(WeightAveraging):
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.evaluate == "ema":
             super().on_validation_epoch_start(trainer, pl_module)  # swap the average in
+        module = self.averaged_module()
+        if self.evaluate == "both" and module is not None and not trainer.sanity_checking:
+            module.on_validation_epoch_start()
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:

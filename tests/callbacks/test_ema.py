@@ -52,6 +52,8 @@ class _BNNet(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+        # A constant outside the checkpoint, as open_clip's causal mask: copied, never averaged.
+        self.register_buffer("mask", torch.tensor([float("-inf"), 0.0]), persistent=False)
 
     def training_step(self, batch, batch_idx):
         return self.net(batch[0]).pow(2).mean()
@@ -90,6 +92,7 @@ def test_average_is_the_ema_of_every_nth_step_with_warmup_and_buffers(tmp_path):
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-6, msg=key)
     assert got["net.1.num_batches_tracked"] == 7 and record.states[6]["net.1.num_batches_tracked"] == 7
+    assert torch.equal(ema.averaged_module().mask, model.mask)  # -inf stays -inf (averaged: nan)
     assert not torch.equal(got["net.0.weight"], model.net[0].weight)  # evaluate: raw keeps the raw weights
 
     # The checkpoint: WeightAveraging's convention, read back raw by default, averaged with ema.
