@@ -13,10 +13,9 @@ std, bicubic resize and centre crop as open_clip's eval transform). Loaded with
 
 Towers transformers cannot represent are refused with the reason: timm or HF image/text towers,
 attention pooling, layer scale, QK-norm or scaled-cosine attention, a text tower without the causal
-mask or with a class token, non-BPE tokenizers. ``SiglipModel`` is not a target: its towers have no
-class token and no pre-norm (image) and a bidirectional text transformer pooled at the last token
-with a biased projection, none of which open_clip's CLIP towers (what mmssl's SigLIP recipe trains)
-have, and open_clip's own SigLIP configs use timm image towers. A SigLIP-trained model exports as a
+mask or with a class token, non-BPE tokenizers. A model with a timm image tower and a
+bidirectional text tower (the SigLIP recipe's ``ViT-B-16-SigLIP``) is written as a ``SiglipModel``
+instead (:mod:`mmssl.export.hf_siglip`). A SigLIP-trained model with CLIP's towers exports as a
 ``CLIPModel`` whose ``config.logit_bias`` holds the learned bias: sigmoid scores are
 ``torch.sigmoid(out.logits_per_image + model.config.logit_bias)``.
 
@@ -204,7 +203,8 @@ def write_tokenizer_files(folder: str) -> None:
 
 
 def write_hf(module: nn.Module, output: str) -> StateDict:
-    """Write an mmssl ``CLIP`` as a transformers ``CLIPModel`` folder with tokenizer and processor.
+    """Write an mmssl ``CLIP`` as a transformers ``CLIPModel`` folder with tokenizer and processor
+    (a ``SiglipModel`` one for the SigLIP recipe's tower shape: :mod:`mmssl.export.hf_siglip`).
 
     Args:
         module: the ``CLIP`` LightningModule, weights loaded.
@@ -218,6 +218,10 @@ def write_hf(module: nn.Module, output: str) -> StateDict:
         ImportError: transformers is not installed (``pip install -e .[hf]``).
     """
     model = module.model
+    from mmssl.export.hf_siglip import is_siglip_shaped, write_siglip  # imports this module
+
+    if is_siglip_shaped(model):
+        return write_siglip(module, output)
     check_representable(model)
     try:
         from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer

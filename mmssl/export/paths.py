@@ -20,6 +20,7 @@ EXPORT_FILE_NAMES = frozenset({
     "config.json", "model.safetensors", "open_clip_config.json", "open_clip_model.safetensors",
     "preprocessor_config.json", "processor_config.json", "tokenizer_config.json", "special_tokens_map.json",
     "vocab.json", "merges.txt", "tokenizer.json", "generation_config.json", "chat_template.jinja", "README.md",
+    "spiece.model", "tokenizer.model", "added_tokens.json",  # SentencePiece tokenizers (SigLIP)
 })
 
 

@@ -15,7 +15,7 @@ tower is a timm model, an exported timm state dict, an MAE release, or nothing (
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import timm
@@ -35,6 +35,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD  # MAE util/datasets.py normalisation
 from mmssl.distributed import seed_per_rank
 from mmssl.log_cadence import logging_step
+from mmssl.models.memory import compile_blocks, compile_options
 from mmssl.models.vit import load_encoder
 from mmssl.optim import check_warmup, warmup_cosine
 from mmssl.upstream import attached_trainer
@@ -103,6 +104,8 @@ class ImageClassifier(LightningModule):
         label_smoothing: label smoothing (MAE: 0.1), in the mixed targets or the loss.
         image_mean: per-channel normalisation mean (linked to the data module).
         image_std: per-channel normalisation std, likewise.
+        grad_checkpointing: timm's activation checkpointing of the blocks (``set_grad_checkpointing``).
+        compile: ``torch.compile`` the blocks in place; ``true`` or a dict of its arguments.
     """
 
     tokenizer = None  # images and labels only; the CLI links this into the data module
@@ -132,6 +135,8 @@ class ImageClassifier(LightningModule):
         label_smoothing: float = 0.1,
         image_mean: tuple[float, float, float] = IMAGENET_MEAN,
         image_std: tuple[float, float, float] = IMAGENET_STD,
+        grad_checkpointing: bool = False,
+        compile: Union[bool, dict[str, Any]] = False,
     ) -> None:
         super().__init__()
         if num_classes < 2:
@@ -154,6 +159,10 @@ class ImageClassifier(LightningModule):
         )
         if not hasattr(self.model, "blocks"):
             raise ValueError(f"model.model_name={model_name!r}: layer-wise LR decay needs a ViT with `blocks`")
+        self.model.set_grad_checkpointing(grad_checkpointing)  # timm's, over its blocks
+        options = compile_options(compile)
+        if options is not None:
+            compile_blocks(self.model, options, f"model.model_name={model_name!r}")
         if init_encoder:
             missing, ignored = load_encoder(self.model, init_encoder, NEW_KEYS)
             if "head.weight" in missing:  # MAE main_finetune.py: manually initialize fc layer

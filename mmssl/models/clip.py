@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import open_clip
@@ -29,6 +29,8 @@ from mmssl.log_cadence import logging_step
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.flip import install_flip_masking
 from mmssl.models.gradcache import cached_features
+from mmssl.models.locking import LockOptions, lock_towers
+from mmssl.models.memory import apply_memory_options
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
     OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, create_model, resolve_model_name, text_padding_is_inert)
 from mmssl.optim import Phase, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
@@ -82,7 +84,9 @@ class CLIP(pl.LightningModule):
             README: base lr 4e-8 vs 4e-6 per 256 samples, so 0.01 at any batch size).
         unmasked_tune_warmup_steps: linear warm-up steps of the tuning phase.
         lock_image: LiT (Zhai et al. 2022): freeze the image tower, train the text tower only.
-        lock_image_unlocked_groups: with ``lock_image``, leave the last n layer groups trainable.
+        lock_image_unlocked_groups: with ``lock_image``, leave the last n layer groups trainable
+            (open_clip's groups: stem, each block, last block + final norm, projection; a timm
+            tower's ``group_matcher``). Refused for a tower locked whole (ResNet) or past its count.
         optimizer: optimizer factory over two parameter groups (decayed, and weight decay 0 for
             the ``no_weight_decay`` parameters); AdamW by default.
         no_weight_decay: which parameters are not decayed: ``fnmatch`` globs on the names of
@@ -106,6 +110,18 @@ class CLIP(pl.LightningModule):
             memory grows with the chunk, not the per-device batch, while the loss and every
             gradient stay those of the whole batch (``mmssl.models.gradcache``); costs one
             more forward of the towers per step. ``None``: the whole batch at once.
+        grad_checkpointing: activation checkpointing of both towers (open_clip's
+            ``set_grad_checkpointing``): less activation memory for one more forward of each
+            block per step; the same gradients (``mmssl.models.memory``).
+        compile: ``torch.compile`` the towers' transformer blocks in place (regional
+            compilation); ``true`` for torch's defaults or a dict of ``torch.compile`` arguments
+            (``{mode: max-autotune}``). Pays on GPUs; docs/benchmarks.md has the figures.
+        lock_text: freeze the text tower (open_clip ``lock_text_tower``; LiT's other half).
+        lock_text_unlocked_layers: with ``lock_text``, leave the last n layers trainable.
+        lock_text_freeze_layer_norm: with ``lock_text``, keep LayerNorms frozen too; ``false``
+            only for HF text towers (open_clip's own locks them with the other weights).
+        lock_image_freeze_bn_stats: with ``lock_image``, freeze the batch-norm statistics of the
+            locked groups (towers with batch norm only: ResNets, timm CNNs).
     """
 
     def __init__(
@@ -129,6 +145,12 @@ class CLIP(pl.LightningModule):
         contrastive_chunk_size: Optional[int] = None,
         no_weight_decay: Optional[list[str]] = None,
         tokenizer: Optional[str] = None,
+        grad_checkpointing: bool = False,
+        compile: Union[bool, dict[str, Any]] = False,
+        lock_text: bool = False,
+        lock_text_unlocked_layers: int = 0,
+        lock_text_freeze_layer_norm: bool = True,
+        lock_image_freeze_bn_stats: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -149,13 +171,14 @@ class CLIP(pl.LightningModule):
             # open_clip fills a missing bias with 0 (its issue 712); SigLiT from a CLIP file wants b.
             with torch.no_grad():
                 self.model.logit_bias.fill_(bias)
-        if lock_image:
-            self.model.lock_image_tower(unlocked_groups=lock_image_unlocked_groups)
+        lock_towers(self.model, LockOptions(lock_image, lock_image_unlocked_groups, lock_image_freeze_bn_stats,
+                                            lock_text, lock_text_unlocked_layers, lock_text_freeze_layer_norm))
         if image_mask_ratio is None:
             vision_cfg = open_clip.get_model_config(name)["vision_cfg"]
             image_mask_ratio = float(vision_cfg.get("patch_dropout", 0.0))
         self.flip = install_flip_masking(self.model.visual, image_mask_ratio)
         self.image_mask_ratio = image_mask_ratio
+        apply_memory_options(self.model, grad_checkpointing, compile)  # after FLIP patched the image tower
         inert = text_padding_is_inert(self.model)
         if trim_text_padding and not inert:
             raise ValueError(

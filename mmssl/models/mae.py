@@ -7,7 +7,7 @@ Follows facebookresearch/mae ``models_mae.py`` (``forward_decoder``, ``forward_l
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import LightningModule
@@ -22,6 +22,7 @@ from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from mmssl.distributed import seed_per_rank
 from mmssl.log_cadence import logging_step
 from mmssl.losses import mae_loss
+from mmssl.models.memory import compile_blocks, compile_options, run_blocks
 from mmssl.models.masking import Masking, patchify, sample_noise, unpatchify
 from mmssl.models.vit import LayerNorm, MaskedViT, init_vit_weights, load_encoder, sincos_pos_embed_2d
 from mmssl.optim import NDIM_LT_2, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
@@ -92,6 +93,7 @@ class MAEDecoder(nn.Module):
         )
         self.norm = LayerNorm(embed_dim)
         self.pred = nn.Linear(embed_dim, patch_size**2 * in_chans)
+        self.grad_checkpointing = False  # activation checkpointing of the blocks (mmssl.models.memory)
         nn.init.normal_(self.mask_token, std=0.02)
         self.apply(init_vit_weights)
 
@@ -111,8 +113,7 @@ class MAEDecoder(nn.Module):
         x_ = torch.cat([x[:, 1:], mask_tokens], dim=1)  # (B, L, D), shuffled order
         x_ = torch.gather(x_, 1, ids_restore.unsqueeze(-1).expand(-1, -1, dim))  # patch order
         x = torch.cat([x[:, :1], x_], dim=1) + self.pos_embed  # (B, 1+L, D)
-        for block in self.blocks:
-            x = block(x)
+        x = run_blocks(self.blocks, x, self.grad_checkpointing)
         return self.pred(self.norm(x))[:, 1:]  # (B, L, p*p*C)
 
 
@@ -175,6 +176,10 @@ class MAE(LightningModule):
             official pretraining's rule (``main_pretrain.py`` -> timm 0.3.2 ``add_weight_decay``
             with an empty skip list: 1-D or ``.bias``), so ``cls_token`` and ``mask_token`` are
             decayed; ``pos_embed`` is fixed sin-cos and not trained at all.
+        grad_checkpointing: activation checkpointing of the encoder and decoder blocks: less
+            activation memory for one more forward of each block; the same gradients.
+        compile: ``torch.compile`` the encoder and decoder blocks in place; ``true`` or a dict of
+            ``torch.compile`` arguments (``mmssl.models.memory``).
     """
 
     tokenizer = None  # images only; the CLI links this into the data module
@@ -200,6 +205,8 @@ class MAE(LightningModule):
         image_mean: tuple[float, float, float] = IMAGENET_MEAN,
         image_std: tuple[float, float, float] = IMAGENET_STD,
         no_weight_decay: Optional[list[str]] = None,
+        grad_checkpointing: bool = False,
+        compile: Union[bool, dict[str, Any]] = False,
     ) -> None:
         super().__init__()
         # Reject a ratio of 0 too: with nothing masked the loss has no targets.
@@ -235,6 +242,10 @@ class MAE(LightningModule):
             load_encoder(self.encoder, init_encoder, state=state)
             if load_decoder(self.decoder, state):
                 rank_zero_info(f"MAE: decoder initialised from {init_encoder} too")
+        self.encoder.grad_checkpointing = self.decoder.grad_checkpointing = grad_checkpointing
+        options = compile_options(compile)
+        if options is not None:
+            compile_blocks(self, options, "the MAE")  # encoder and decoder blocks
 
     # ---- named stages (MAE forward_encoder / forward_decoder / forward_loss) -------------------
 

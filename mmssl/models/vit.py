@@ -22,6 +22,7 @@ from torch import nn
 
 from mmssl.checkpoints.layouts import StateDict, fit_vit_state, vit_weights
 from mmssl.checkpoints.read import read_state_dict
+from mmssl.models.memory import run_blocks
 from mmssl.models.masking import Masking, gather_tokens, random_masking
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,7 @@ class MaskedViT(nn.Module):
             for i in range(depth)
         )
         self.norm = LayerNorm(embed_dim)
+        self.grad_checkpointing = False  # activation checkpointing of the blocks (mmssl.models.memory)
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -193,8 +195,7 @@ class MaskedViT(nn.Module):
         elif mask_ratio < 0:
             raise ValueError(f"mask_ratio must be in [0, 1), got {mask_ratio}")
         x = self.prepend_cls(x)  # (B, 1+L_keep, D)
-        for block in self.blocks:
-            x = block(x)
+        x = run_blocks(self.blocks, x, self.grad_checkpointing)
         return self.norm(x), masking
 
     def forward_features(self, images: torch.Tensor, mask_ratio: float = 0.0) -> torch.Tensor:
