@@ -27,10 +27,12 @@ from mmssl.data.decode import trim_text_padding
 from mmssl.distributed import gather_with_grad, rank, seed_per_rank
 from mmssl.log_cadence import logging_step
 from mmssl.losses import clip_loss, siglip_loss
+from mmssl.models.distill import build_distiller
 from mmssl.models.flip import install_flip_masking
 from mmssl.models.gradcache import cached_features
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
     OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, create_model, resolve_model_name, text_padding_is_inert)
+from mmssl.models.teacher import tokenizer_signature
 from mmssl.optim import Phase, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 from mmssl.retrieval import RECALL_AT, distributed_retrieval_hits
 from mmssl.upstream import attached_trainer, open_clip_encode_text_prefix
@@ -106,6 +108,19 @@ class CLIP(pl.LightningModule):
             memory grows with the chunk, not the per-device batch, while the loss and every
             gradient stay those of the whole batch (``mmssl.models.gradcache``); costs one
             more forward of the towers per step. ``None``: the whole batch at once.
+        teacher: distillation (``mmssl.models.distill``): a frozen CLIP teacher in a local file
+            or folder (an mmssl CLIP checkpoint, an open_clip state dict with ``teacher_model``, an
+            ``open_clip_hf`` or transformers folder; ``mmssl.models.teacher``), run online in eval
+            mode without gradients. Never saved in this model's checkpoints; its path and SHA-256 are.
+        teacher_model: the open_clip model name or JSON config of a ``teacher`` state-dict file.
+        teacher_tokenizer: local folder of the teacher's Hugging Face tokenizer, if its config names one.
+        teacher_embeddings: distillation from stored teacher embeddings instead of an online teacher:
+            the folder ``tools/teacher_embeddings.py`` wrote (the data module joins it by sample key).
+        teacher_embed_dim: the teacher's embedding width; set from the teacher (recorded so a
+            distilled checkpoint rebuilds its projection without the teacher).
+        distill_weights: weights of the loss terms ``contrastive``, ``logits`` (open_clip's
+            ``DistillClipLoss``) and ``features`` (CLIP-KD feature distillation); default 1, 1, 0.
+        distill_feature_loss: ``cosine`` or ``mse``, the feature-distillation distance.
     """
 
     def __init__(
@@ -129,6 +144,13 @@ class CLIP(pl.LightningModule):
         contrastive_chunk_size: Optional[int] = None,
         no_weight_decay: Optional[list[str]] = None,
         tokenizer: Optional[str] = None,
+        teacher: Optional[str] = None,
+        teacher_model: Optional[str] = None,
+        teacher_tokenizer: Optional[str] = None,
+        teacher_embeddings: Optional[str] = None,
+        teacher_embed_dim: Optional[int] = None,
+        distill_weights: Optional[dict[str, float]] = None,
+        distill_feature_loss: str = "cosine",
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -190,6 +212,12 @@ class CLIP(pl.LightningModule):
         unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
         if unmatched:
             rank_zero_warn(f"model.no_weight_decay: {unmatched} match no parameter of {model_name!r}")
+        self.distiller = build_distiller(self.embed_dim, teacher, teacher_model, teacher_tokenizer, teacher_embeddings,
+                                         teacher_embed_dim, distill_weights, distill_feature_loss)
+        self.teacher_embeddings = teacher_embeddings  # linked to the data module by the CLI
+        if self.distiller is not None:
+            self.hparams["teacher_embed_dim"] = self.distiller.teacher_dim
+            self._param_ndim = record_shapes(self)  # with the projection
         self._val_features: list[tuple[Tensor, Tensor]] = []
         self.val_loss = MeanMetric()  # sum and count of the validation loss, reduced over ranks
         # Held-out retrieval recall as hits and queries summed over ranks (val/i2t_R@1, ...).
@@ -202,6 +230,15 @@ class CLIP(pl.LightningModule):
         if self._tokenizer is None:
             self._tokenizer = build_tokenizer(self._model_config_name, self._tokenizer_dir)
         return self._tokenizer
+
+    @property
+    def teacher_text_tokenizer(self) -> Optional[Callable]:
+        """The online teacher's tokenizer when its ids differ from the student's (the data module
+        then tokenises twice), else ``None``."""
+        teacher = self.distiller.teacher if self.distiller is not None else None
+        if teacher is None or teacher.signature == tokenizer_signature(self._model_config_name, self._tokenizer_dir):
+            return None
+        return teacher.tokenizer
 
     @staticmethod
     def _init_kwargs(loss: str, scale: Optional[float], bias: Optional[float]) -> dict[str, float]:
@@ -334,9 +371,15 @@ class CLIP(pl.LightningModule):
             self.flip.ratio = 0.0 if tuning else self.image_mask_ratio
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.contrastive_loss(self(batch["image"], batch["text"]))
+        out = self(batch["image"], batch["text"])
+        loss, terms = self.contrastive_loss(out), {}
+        if self.distiller is not None:
+            targets = self.distiller.targets(batch, self.image_mean, self.image_std, self.contrastive_chunk_size)
+            loss, terms = self.distiller(out, loss, *targets)
         self.log("train/loss", loss, prog_bar=True)
         if logging_step(attached_trainer(self)):
+            for name, value in terms.items():
+                self.log(f"train/{name}_loss", value.detach())
             # Lightning keeps a step's metrics only on its logging steps (log_every_n_steps), and each
             # `self.log` costs ~1 ms: log the slow-moving values only where they are kept.
             self.log("train/logit_scale", self.model.logit_scale.exp().detach())
@@ -344,6 +387,10 @@ class CLIP(pl.LightningModule):
                 self.log("train/logit_bias", self.model.logit_bias.detach())
             self.log("train/image_mask_ratio", float(self.flip.ratio))
         return loss
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.distiller is not None:  # the teacher's file and checksum, never its weights
+            checkpoint["teacher"] = self.distiller.provenance()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # CLIP sec. 2.5: the temperature is clipped so logits are scaled by at most 100.
