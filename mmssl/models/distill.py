@@ -214,7 +214,12 @@ def build_distiller(student_dim: int, teacher: Optional[str], teacher_model: Opt
     if teacher is not None and teacher_embeddings is not None:
         raise ValueError("model.init_args.teacher and teacher_embeddings: give one (online, or stored embeddings)")
     weights = check_weights(weights)
-    online = load_teacher(teacher, teacher_model, teacher_tokenizer) if teacher is not None else None
+    online = None
+    if teacher is not None:
+        # Building the teacher draws random initial weights (then replaced by its own): outside the
+        # run's random stream, so a student starts alike with an online teacher or stored embeddings.
+        with torch.random.fork_rng(devices=[]):
+            online = load_teacher(teacher, teacher_model, teacher_tokenizer)
     stored = None
     if teacher_embeddings is not None:
         stored = {**read_manifest(teacher_embeddings), "folder": teacher_embeddings}
