@@ -133,6 +133,8 @@ def embed(teacher: Teacher, urls: list[str], output: str, args: argparse.Namespa
 
 
 def _body(args: argparse.Namespace) -> None:
+    if not os.path.exists(args.ckpt):
+        raise FileNotFoundError(f"--ckpt: no teacher file or folder at {args.ckpt!r}")
     check_output(args.output, args.overwrite)
     urls = expand_urls(args.data)
     stems = [side_file(args.output, u) for u in urls]

@@ -108,17 +108,14 @@ class CLIP(pl.LightningModule):
             memory grows with the chunk, not the per-device batch, while the loss and every
             gradient stay those of the whole batch (``mmssl.models.gradcache``); costs one
             more forward of the towers per step. ``None``: the whole batch at once.
-        teacher: distillation (``mmssl.models.distill``): a frozen CLIP teacher in a local file
-            or folder (an mmssl CLIP checkpoint, an open_clip state dict with ``teacher_model``, an
-            ``open_clip_hf`` or transformers folder; ``mmssl.models.teacher``), run online in eval
-            mode without gradients. Never saved in this model's checkpoints; its path and SHA-256 are.
+        teacher: distillation (docs/distill.md): a frozen CLIP teacher's file or folder (mmssl
+            checkpoint, open_clip state dict with ``teacher_model``, ``open_clip_hf`` or transformers
+            folder: ``mmssl.models.teacher``), run online; its path and SHA-256 are saved, never its weights.
         teacher_model: the open_clip model name or JSON config of a ``teacher`` state-dict file.
         teacher_tokenizer: local folder of the teacher's Hugging Face tokenizer, if its config names one.
-        teacher_embeddings: distillation from stored teacher embeddings instead of an online teacher:
-            the folder ``tools/teacher_embeddings.py`` wrote (the data module joins it by sample key).
-        teacher_embed_dim: the teacher's embedding width; set from the teacher (recorded so a
-            distilled checkpoint rebuilds its projection without the teacher).
-        distill_weights: weights of the loss terms ``contrastive``, ``logits`` (open_clip's
+        teacher_embeddings: stored teacher embeddings instead (``tools/teacher_embeddings.py``'s folder).
+        teacher_embed_dim: the teacher's width, recorded from it (a distilled checkpoint's projection).
+        distill_weights: weights of the terms ``contrastive``, ``logits`` (open_clip's
             ``DistillClipLoss``) and ``features`` (CLIP-KD feature distillation); default 1, 1, 0.
         distill_feature_loss: ``cosine`` or ``mse``, the feature-distillation distance.
     """

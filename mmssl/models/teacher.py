@@ -99,6 +99,7 @@ class Teacher(nn.Module):
                                  else model.visual.output_dim)
             self.image_mean, self.image_std = tuple(model.visual.image_mean), tuple(model.visual.image_std)
         self.sha256 = sha256(source)
+        self.train(False)
 
     def train(self, mode: bool = True) -> "Teacher":
         return super().train(False)  # always eval: dropout off, norms frozen
