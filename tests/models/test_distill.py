@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 import runpy
 from pathlib import Path
@@ -171,7 +172,8 @@ def _first_batch(model: CLIP, data: str, **kwargs) -> dict:
     return {k: v for k, v in batches[0].items() if not k.startswith("__")}, sum(b["__skipped__"] for b in batches)
 
 
-def test_stored_embeddings_give_the_online_loss_and_bad_rows_are_counted(tmp_path, tiny_demo, teacher_file, student_json):
+def test_stored_embeddings_give_the_online_loss_and_bad_rows_are_counted(tmp_path, tiny_demo, teacher_file, student_json,
+                                                                         caplog):
     train, out = os.path.dirname(tiny_demo.train), tmp_path / "emb"
     assert _tool("--ckpt", str(teacher_file), "--data", train, "--output", str(out), "--batch-size", "8",
                  "--num-workers", "0", "--output-json", str(tmp_path / "emb.json")) == 0
@@ -198,5 +200,11 @@ def test_stored_embeddings_give_the_online_loss_and_bad_rows_are_counted(tmp_pat
     with np.load(out / "1.npz") as f:
         write_side_file(str(out / "1.npz"), list(f["keys"]), np.zeros((16, 5)), np.zeros((16, 5)))
     os.remove(out / "2.npz")
-    _, skipped = _first_batch(students["stored"], train)
-    assert skipped == 33
+    with caplog.at_level(logging.WARNING, logger="mmssl.data"):
+        _, skipped = _first_batch(students["stored"], train)
+    named = {m.split(": ", 1)[0] for m in caplog.messages if m.startswith("skipped sample")}
+    reasons = " ".join(caplog.messages)
+    # Each bad sample named once per pass (the worker repeats its good ones to fill the epoch).
+    assert len(named) == 33 and skipped >= 33 and skipped % 33 == 0
+    for reason in ("no teacher embeddings for key", "no teacher embeddings file", "the manifest says 32"):
+        assert reason in reasons
