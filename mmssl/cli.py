@@ -53,6 +53,14 @@ def _trim_text_padding(model: pl.LightningModule) -> bool:
     return bool(getattr(model, "trim_text_padding", False))
 
 
+def _teacher_tokenizer(model: pl.LightningModule):
+    return getattr(model, "teacher_text_tokenizer", None)  # a distillation teacher's, when it differs
+
+
+def _teacher_embeddings(model: pl.LightningModule) -> Optional[str]:
+    return getattr(model, "teacher_embeddings", None)
+
+
 def _num_classes(model: pl.LightningModule) -> Optional[int]:
     return getattr(model, "num_classes", None)  # a classifier's; labels beyond it are bad samples
 
@@ -80,6 +88,8 @@ class MMSSLCLI(LightningCLI):
             ("tokenizer", _tokenizer),
             ("trim_text_padding", _trim_text_padding),
             ("num_classes", _num_classes),
+            ("teacher_tokenizer", _teacher_tokenizer),
+            ("teacher_embeddings", _teacher_embeddings),
         ):
             parser.link_arguments("model", f"data.init_args.{target}", compute_fn=fn, apply_on="instantiate")
         # Always on, configurable: the start/end report, and the non-finite step guard.

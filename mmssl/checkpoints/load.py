@@ -90,7 +90,7 @@ def build_module(path: str, checkpoint: dict[str, Any], kind: ModelKind) -> pl.L
     """Build ``kind``'s module from the checkpoint's hyper-parameters and load its weights (strictly).
 
     ``pretrained`` / ``init_encoder`` are not re-read: the checkpoint's weights replace whatever
-    they would load.
+    they would load; nor is a CLIP's distillation ``teacher`` / ``teacher_embeddings``.
 
     Returns:
         The module on the CPU, in eval mode.
@@ -101,7 +101,8 @@ def build_module(path: str, checkpoint: dict[str, Any], kind: ModelKind) -> pl.L
     unknown = sorted(set(hparams) - set(accepted))
     if unknown:
         raise ValueError(f"{path}: hyper-parameters {unknown} are not arguments of {cls.__name__}")
-    hparams.update({k: None for k in ("pretrained", "init_encoder") if k in accepted})
+    # Neither initial weights nor a distillation teacher is needed to rebuild a trained module.
+    hparams.update({k: None for k in ("pretrained", "init_encoder", "teacher", "teacher_embeddings") if k in accepted})
     module = cls(**hparams)
     module.load_state_dict(checkpoint["state_dict"])
     return module.eval()

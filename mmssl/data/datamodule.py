@@ -35,6 +35,7 @@ from mmssl.data.options import check_data_options
 from mmssl.data.pipeline import META_KEYS, ShardStream, StreamSpec, plan_stream
 from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources, shard_sizes
 from mmssl.data.state import EpochLoader, StreamPosition
+from mmssl.data.teacher_embeddings import TeacherEmbeddings
 from mmssl.data.transforms import (OPENAI_MEAN, OPENAI_STD, BatchNormalize, eval_transform, timm_eval_transform,
                                    timm_train_transform, train_sample_transform)
 
@@ -121,6 +122,10 @@ class ImageTextDataModule(pl.LightningDataModule):
         max_image_pixels: an image whose header says more pixels (width x height) is a bad
             sample, never decoded (default: PIL's decompression-bomb threshold, 89.5 Mpx);
             ``None``: no limit of mmssl's.
+        teacher_tokenizer: a distillation teacher's tokenizer when it differs from ``tokenizer``
+            (linked from the model): training captions are tokenised by both.
+        teacher_embeddings: folder of stored teacher embeddings (``tools/teacher_embeddings.py``;
+            linked from the model) joined to training samples by key; a sample without them is bad.
     """
 
     def __init__(
@@ -151,6 +156,8 @@ class ImageTextDataModule(pl.LightningDataModule):
         normalize_on_device: Optional[bool] = None,
         num_classes: Optional[int] = None,
         max_image_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS,
+        teacher_tokenizer: Optional[Callable] = None,
+        teacher_embeddings: Optional[str] = None,
     ) -> None:
         super().__init__()
         check_data_options(batch_size, num_workers, max_bad_fraction, shuffle_buffer, image_size, train_num_samples,
@@ -177,6 +184,9 @@ class ImageTextDataModule(pl.LightningDataModule):
         self._device_normalize: Optional[BatchNormalize] = None
         self._loaded: Optional[dict[str, Any]] = None  # a checkpoint's position, applied with the stream
         self._reload_setting: Optional[int] = None  # the trainer's, while an elastic epoch makes it reload
+        self.teacher_tokenizer = teacher_tokenizer
+        # The manifest is read (and refused, naming it) here, at start-up.
+        self.teacher_embeddings = TeacherEmbeddings(teacher_embeddings) if teacher_embeddings else None
 
     def prepare_data(self) -> None:
         if self.train_data is None:
@@ -244,8 +254,10 @@ class ImageTextDataModule(pl.LightningDataModule):
             transform = eval_transform(self.image_size, self.image_mean, self.image_std)
         side = self.image_size if train else math.ceil(self.image_size / (self.eval_crop_pct or 1.0))
         min_size = draft_size(side, self.crop_scale[0] if train else 1.0) if self.reduced_decode else None
+        teacher = (self.teacher_tokenizer, self.teacher_embeddings) if train else (None, None)  # training only
         return SampleDecoder(transform, self.tokenizer, self.image_key.split(";"), self.text_key,
-                             self.label_key, min_size, batch_transform, self.num_classes, self.max_image_pixels)
+                             self.label_key, min_size, batch_transform, self.num_classes, self.max_image_pixels,
+                             *teacher)
 
     def build_stream(self, data: DataSpec, train: bool, rank: int = 0, world_size: int = 1) -> ShardStream:
         """The dataset of one rank (tests pass ``rank``/``world_size`` to simulate ranks).

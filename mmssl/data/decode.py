@@ -153,6 +153,11 @@ class SampleDecoder:
             (e.g. :class:`~mmssl.data.transforms.BatchNormalize` after a uint8 ``transform``).
         num_classes: labels must lie in ``[0, num_classes)``; ``None``: any int64 >= 0.
         max_pixels: largest image decoded (width x height from the header), see :func:`open_image`.
+        teacher_tokenizer: a distillation teacher's own tokenizer, when its token ids differ from
+            the student's: captions are tokenised twice, the teacher's ids as ``teacher_tokens``.
+        teacher_embeddings: stored teacher embeddings joined by key
+            (:class:`mmssl.data.teacher_embeddings.TeacherEmbeddings`), as ``teacher_image_features``
+            and ``teacher_text_features``; a sample without them is bad.
     """
 
     def __init__(
@@ -166,15 +171,19 @@ class SampleDecoder:
         batch_transform: Optional[Callable] = None,
         num_classes: Optional[int] = None,
         max_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS,
+        teacher_tokenizer: Optional[Callable] = None,
+        teacher_embeddings: Optional[Any] = None,
     ) -> None:
         self.transform, self.tokenizer, self.batch_transform = transform, tokenizer, batch_transform
         self.image_keys, self.text_key, self.label_key = tuple(image_keys), text_key, label_key
         self.min_size, self.num_classes, self.max_pixels = min_size, num_classes, max_pixels
+        self.teacher_tokenizer, self.teacher_embeddings = teacher_tokenizer, teacher_embeddings
 
     def output_keys(self, raw: dict[str, Any]) -> set[str]:
         """The keys :meth:`__call__` returns for ``raw`` if it decodes (found without decoding)."""
         return {"image"} | ({"text"} if self.tokenizer is not None else set()) | (
-            {"label"} if self.label_key in raw else set())
+            {"label"} if self.label_key in raw else set()) | (
+            {"teacher_image_features", "teacher_text_features"} if self.teacher_embeddings is not None else set())
 
     def __call__(self, raw: dict[str, Any], rng: Optional[random.Random] = None) -> dict[str, Any]:
         image_key = next((k for k in self.image_keys if k in raw), None)
@@ -188,6 +197,8 @@ class SampleDecoder:
                 out["label"] = parse_label(raw[self.label_key], self.num_classes, repr(self.label_key))
             except ValueError as exn:
                 raise BadSample(str(exn)) from None
+        if self.teacher_embeddings is not None:  # before the image: a missing row costs no decode
+            out["teacher_image_features"], out["teacher_text_features"] = self.teacher_embeddings.lookup(raw)
         out["image"] = self._image(raw, image_key, rng)
         return out
 
@@ -210,7 +221,8 @@ class SampleDecoder:
             samples: outputs of ``__call__``.
 
         Returns:
-            ``{"image": (B, 3, H, W), "text": (B, L)?, "label": (B,)?}``.
+            ``{"image": (B, 3, H, W), "text": (B, L)?, "label": (B,)?}``, plus with a teacher
+            ``teacher_tokens`` (B, L')? and ``teacher_image_features``, ``teacher_text_features`` (B, D)?.
 
         Raises:
             ValueError: the samples do not all carry the same keys.
@@ -223,6 +235,8 @@ class SampleDecoder:
         batch = default_collate([{k: s[k] for k in keys if k != "text"} for s in samples])
         if captions is not None:
             batch["text"] = self.tokenizer(captions)
+            if self.teacher_tokenizer is not None:
+                batch["teacher_tokens"] = self.teacher_tokenizer(captions)
         if self.batch_transform is not None:
             batch["image"] = self.batch_transform(batch["image"])
         return batch

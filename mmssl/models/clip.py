@@ -27,12 +27,14 @@ from mmssl.data.decode import trim_text_padding
 from mmssl.distributed import gather_with_grad, rank, seed_per_rank
 from mmssl.log_cadence import logging_step
 from mmssl.losses import clip_loss, siglip_loss
+from mmssl.models.distill import build_distiller
 from mmssl.models.flip import install_flip_masking
 from mmssl.models.gradcache import cached_features
 from mmssl.models.locking import LockOptions, lock_towers
 from mmssl.models.memory import apply_memory_options
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
     OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, create_model, resolve_model_name, text_padding_is_inert)
+from mmssl.models.teacher import tokenizer_signature
 from mmssl.optim import Phase, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 from mmssl.retrieval import RECALL_AT, distributed_retrieval_hits
 from mmssl.upstream import attached_trainer, open_clip_encode_text_prefix
@@ -122,6 +124,16 @@ class CLIP(pl.LightningModule):
             only for HF text towers (open_clip's own locks them with the other weights).
         lock_image_freeze_bn_stats: with ``lock_image``, freeze the batch-norm statistics of the
             locked groups (towers with batch norm only: ResNets, timm CNNs).
+        teacher: distillation (docs/distill.md): a frozen CLIP teacher's file or folder (mmssl
+            checkpoint, open_clip state dict with ``teacher_model``, ``open_clip_hf`` or transformers
+            folder: ``mmssl.models.teacher``), run online; its path and SHA-256 are saved, never its weights.
+        teacher_model: the open_clip model name or JSON config of a ``teacher`` state-dict file.
+        teacher_tokenizer: local folder of the teacher's Hugging Face tokenizer, if its config names one.
+        teacher_embeddings: stored teacher embeddings instead (``tools/teacher_embeddings.py``'s folder).
+        teacher_embed_dim: the teacher's width, recorded from it (a distilled checkpoint's projection).
+        distill_weights: weights of the terms ``contrastive``, ``logits`` (open_clip's
+            ``DistillClipLoss``) and ``features`` (CLIP-KD feature distillation); default 1, 1, 0.
+        distill_feature_loss: ``cosine`` or ``mse``, the feature-distillation distance.
     """
 
     def __init__(
@@ -151,6 +163,13 @@ class CLIP(pl.LightningModule):
         lock_text_unlocked_layers: int = 0,
         lock_text_freeze_layer_norm: bool = True,
         lock_image_freeze_bn_stats: bool = False,
+        teacher: Optional[str] = None,
+        teacher_model: Optional[str] = None,
+        teacher_tokenizer: Optional[str] = None,
+        teacher_embeddings: Optional[str] = None,
+        teacher_embed_dim: Optional[int] = None,
+        distill_weights: Optional[dict[str, float]] = None,
+        distill_feature_loss: str = "cosine",
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -213,6 +232,12 @@ class CLIP(pl.LightningModule):
         unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
         if unmatched:
             rank_zero_warn(f"model.no_weight_decay: {unmatched} match no parameter of {model_name!r}")
+        self.distiller = build_distiller(self.embed_dim, teacher, teacher_model, teacher_tokenizer, teacher_embeddings,
+                                         teacher_embed_dim, distill_weights, distill_feature_loss)
+        self.teacher_embeddings = teacher_embeddings  # linked to the data module by the CLI
+        if self.distiller is not None:
+            self.hparams["teacher_embed_dim"] = self.distiller.teacher_dim
+            self._param_ndim = record_shapes(self)  # with the projection
         self._val_features: list[tuple[Tensor, Tensor]] = []
         self.val_loss = MeanMetric()  # sum and count of the validation loss, reduced over ranks
         # Held-out retrieval recall as hits and queries summed over ranks (val/i2t_R@1, ...).
@@ -225,6 +250,15 @@ class CLIP(pl.LightningModule):
         if self._tokenizer is None:
             self._tokenizer = build_tokenizer(self._model_config_name, self._tokenizer_dir)
         return self._tokenizer
+
+    @property
+    def teacher_text_tokenizer(self) -> Optional[Callable]:
+        """The online teacher's tokenizer when its ids differ from the student's (the data module
+        then tokenises twice), else ``None``."""
+        teacher = self.distiller.teacher if self.distiller is not None else None
+        if teacher is None or teacher.signature == tokenizer_signature(self._model_config_name, self._tokenizer_dir):
+            return None
+        return teacher.tokenizer
 
     @staticmethod
     def _init_kwargs(loss: str, scale: Optional[float], bias: Optional[float]) -> dict[str, float]:
@@ -357,9 +391,15 @@ class CLIP(pl.LightningModule):
             self.flip.ratio = 0.0 if tuning else self.image_mask_ratio
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss = self.contrastive_loss(self(batch["image"], batch["text"]))
+        out = self(batch["image"], batch["text"])
+        loss, terms = self.contrastive_loss(out), {}
+        if self.distiller is not None:
+            targets = self.distiller.targets(batch, self.image_mean, self.image_std, self.contrastive_chunk_size)
+            loss, terms = self.distiller(out, loss, *targets)
         self.log("train/loss", loss, prog_bar=True)
         if logging_step(attached_trainer(self)):
+            for name, value in terms.items():
+                self.log(f"train/{name}_loss", value.detach())
             # Lightning keeps a step's metrics only on its logging steps (log_every_n_steps), and each
             # `self.log` costs ~1 ms: log the slow-moving values only where they are kept.
             self.log("train/logit_scale", self.model.logit_scale.exp().detach())
@@ -367,6 +407,10 @@ class CLIP(pl.LightningModule):
                 self.log("train/logit_bias", self.model.logit_bias.detach())
             self.log("train/image_mask_ratio", float(self.flip.ratio))
         return loss
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.distiller is not None:  # the teacher's file and checksum, never its weights
+            checkpoint["teacher"] = self.distiller.provenance()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # CLIP sec. 2.5: the temperature is clipped so logits are scaled by at most 100.

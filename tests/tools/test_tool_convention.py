@@ -30,6 +30,7 @@ CASES = {
     "plan_stream": ["--data", f"{MISSING}/{{0..3}}.tar", "--batch-size", "4"],
     "scaling_fit": [MISSING, "--output", "out"],
     "similarity_map": ["--ckpt", MISSING, "--images", "a.png", "--text", "a", "--output", "out"],
+    "teacher_embeddings": ["--ckpt", MISSING, "--data", "a", "--output", "out"],
     "zero_shot": ["--ckpt", MISSING, "--data", "a"],
 }
 

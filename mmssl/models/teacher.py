@@ -1,0 +1,265 @@
+"""A frozen image-text teacher for distillation, loaded from a local file or folder.
+
+Any of the files mmssl writes or reads for a CLIP is a teacher:
+
+* an mmssl ``CLIP`` Lightning checkpoint (``mmssl fit``'s ``last.ckpt``): its class is checked
+  against the one table of model kinds (:data:`mmssl.checkpoints.layouts.KINDS`), its open_clip
+  model rebuilt from the ``model_name`` it records and its weights converted by the table's
+  ``clip_to_open_clip`` layout;
+* an open_clip state dict (``tools/export.py --format open_clip``, or any open_clip release file)
+  with ``teacher_model``: its open_clip model name or JSON config;
+* an ``open_clip_hf`` folder (``open_clip_config.json`` + ``open_clip_model.safetensors``:
+  ``tools/export.py --format open_clip_hf``, open_clip's ``push_to_hf_hub``);
+* a transformers ``CLIPModel`` folder (``config.json`` + ``model.safetensors`` and the tokenizer
+  files: ``tools/export.py --format hf``).
+
+Every weight file is read by :func:`mmssl.checkpoints.read_checkpoint` (weights only: a file that
+pickles code is refused, naming it), nothing downloads, and a tokenizer that is not on disk fails
+at start-up with the command that fetches it. The teacher is built once, frozen
+(``requires_grad=False``) and in eval mode; the student keeps it outside its own modules, so it is
+never in the student's ``state_dict``, optimizer, DDP or FSDP wrapping (its path and SHA-256 are).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Callable, Optional
+
+import open_clip
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mmssl.checkpoints import UnsafeCheckpointError, read_checkpoint
+from mmssl.checkpoints.layouts import clip_to_open_clip, detect_kind, kind_named, strip_ddp
+from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
+from mmssl.upstream import lightning_cli_class_path
+
+KEY = "model.init_args.teacher"
+OPEN_CLIP_HF_CONFIG, OPEN_CLIP_HF_WEIGHTS = "open_clip_config.json", "open_clip_model.safetensors"
+HF_CONFIG, HF_WEIGHTS = "config.json", ("model.safetensors", "pytorch_model.bin")
+
+
+def weights_file(path: str) -> str:
+    """The file holding a teacher's weights: ``path`` itself, or the weights of a hub folder."""
+    if not os.path.isdir(path):
+        return path
+    for name in (OPEN_CLIP_HF_WEIGHTS, *HF_WEIGHTS):
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    raise FileNotFoundError(f"{KEY}: the folder {path!r} holds no {OPEN_CLIP_HF_WEIGHTS} or {' / '.join(HF_WEIGHTS)}")
+
+
+def sha256(path: str) -> str:
+    """Hex SHA-256 of a teacher's weights file (what a student's checkpoint records)."""
+    digest = hashlib.sha256()
+    with open(weights_file(path), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_signature(model_name: str, tokenizer_dir: Optional[str]) -> tuple:
+    """What decides an open_clip config's token ids: two configs with equal signatures tokenise
+    every caption alike, so the student's tokens serve the teacher (the loader tokenises once)."""
+    text_cfg = open_clip.get_model_config(model_name).get("text_cfg", {})
+    hf_name = text_cfg.get("hf_tokenizer_name")
+    return ("open_clip", hf_name, os.path.abspath(tokenizer_dir) if hf_name and tokenizer_dir else None,
+            int(text_cfg.get("context_length", 77)), json.dumps(text_cfg.get("tokenizer_kwargs", {}), sort_keys=True))
+
+
+class Teacher(nn.Module):
+    """A frozen CLIP behind two named stages: ``encode_image`` and ``encode_text``, L2-normalised.
+
+    Args:
+        model: the open_clip ``CLIP`` (or transformers ``CLIPModel`` with ``hf=True``).
+        tokenizer: captions -> (B, L) token ids for this model.
+        signature: see :func:`tokenizer_signature`; equal to the student's when its tokens serve.
+        source: the file or folder it was read from.
+        hf: ``model`` is a transformers ``CLIPModel``.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Callable, signature: tuple, source: str, hf: bool = False) -> None:
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer, self.signature, self.source, self.hf = tokenizer, signature, source, hf
+        if hf:
+            vision, text = model.config.vision_config, model.config.text_config
+            self.image_size = int(vision.image_size)
+            self.context_length = int(text.max_position_embeddings)
+            self.embed_dim = int(model.config.projection_dim)
+            self.image_mean, self.image_std = _hf_preprocess(source)
+        else:
+            size = model.visual.image_size
+            self.image_size = int(size[0] if isinstance(size, (tuple, list)) else size)
+            self.context_length = int(model.context_length)
+            self.embed_dim = int(model.text_projection.shape[-1] if model.text_projection is not None
+                                 else model.visual.output_dim)
+            self.image_mean, self.image_std = tuple(model.visual.image_mean), tuple(model.visual.image_std)
+        self.sha256 = sha256(source)
+        self.train(False)
+
+    def train(self, mode: bool = True) -> "Teacher":
+        return super().train(False)  # always eval: dropout off, norms frozen
+
+    @property
+    def logit_scale(self) -> Tensor:
+        """The teacher's (exponentiated) logit scale, a 0-d tensor."""
+        return self.model.logit_scale.detach().reshape(()).exp()
+
+    def follow(self, images: Tensor) -> None:
+        """Move to the device of ``images`` and, when they are half-precision (a ``*-true``
+        precision run), to their dtype: the teacher runs where and as the student runs."""
+        param = next(self.model.parameters())
+        dtype = images.dtype if images.dtype in (torch.float16, torch.bfloat16) else param.dtype
+        if param.device != images.device or param.dtype != dtype:
+            self.model.to(device=images.device, dtype=dtype)
+
+    def encode_image(self, images: Tensor) -> Tensor:
+        """(B, 3, S, S) images at the teacher's size and normalisation -> (B, Dt) unit vectors."""
+        if self.hf:
+            out = self.model.get_image_features(pixel_values=images)
+            return F.normalize(getattr(out, "pooler_output", out), dim=-1)
+        return self.model.encode_image(images, normalize=True)
+
+    def encode_text(self, tokens: Tensor) -> Tensor:
+        """(B, L) token ids, L <= the context (trimmed padding is restored) -> (B, Dt) unit vectors."""
+        if tokens.shape[1] < self.context_length:  # the student's batches may be trimmed
+            tokens = F.pad(tokens, (0, self.context_length - tokens.shape[1]), value=self._pad_id())
+        if self.hf:
+            out = self.model.get_text_features(input_ids=tokens)
+            return F.normalize(getattr(out, "pooler_output", out), dim=-1)
+        return self.model.encode_text(tokens, normalize=True)
+
+    def _pad_id(self) -> int:
+        return int(getattr(self.model.config.text_config, "pad_token_id", 0) or 0) if self.hf else 0
+
+
+def _hf_preprocess(folder: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    path = os.path.join(folder, "preprocessor_config.json")
+    if not os.path.isfile(path):
+        from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD
+
+        return tuple(OPENAI_MEAN), tuple(OPENAI_STD)
+    with open(path) as f:
+        config = json.load(f)
+    return tuple(config["image_mean"]), tuple(config["image_std"])
+
+
+def _read(path: str) -> dict[str, Any]:
+    """The weights file through the one safe reader; an unreadable one named as the teacher."""
+    try:
+        return read_checkpoint(path)
+    except (FileNotFoundError, UnsafeCheckpointError) as err:
+        raise type(err)(f"{KEY}: {err}") from None
+    except Exception as err:  # torch's zip reader raises RuntimeError on a truncated or foreign file
+        raise ValueError(f"{KEY}: {path} is not a readable checkpoint ({type(err).__name__}: {err})") from None
+
+
+def _open_clip_teacher(path: str, name: str, state: dict, tokenizer_dir: Optional[str],
+                       preprocess: Optional[dict] = None) -> Teacher:
+    bias = {"init_logit_bias": 0.0} if "logit_bias" in state else {}  # its value comes from the weights
+    kwargs = {"force_preprocess_cfg": preprocess} if preprocess else {}
+    model = create_model(name, output_dict=True, **bias, **kwargs)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise ValueError(f"{KEY}: the weights of {path} do not fit open_clip model {name!r}: "
+                         f"{str(err).splitlines()[0]} (name the right one with model.init_args.teacher_model)") from None
+    return Teacher(model, build_tokenizer(name, tokenizer_dir), tokenizer_signature(name, tokenizer_dir), path)
+
+
+def _lightning_teacher(path: str, checkpoint: dict, model_name: Optional[str], tokenizer_dir: Optional[str]) -> Teacher:
+    hparams = checkpoint.get("hyper_parameters") or {}
+    state = strip_ddp(checkpoint["state_dict"])
+    recorded = lightning_cli_class_path(hparams)
+    kind = kind_named(recorded) if recorded else detect_kind(state)
+    if kind is None or kind.name != "CLIP":
+        raise ValueError(f"{KEY}: {path} is a {recorded or 'non-CLIP'} checkpoint; a teacher must be a CLIP")
+    name = model_name or hparams.get("model_name")
+    if not name:
+        raise ValueError(f"{KEY}: {path} records no model_name: pass model.init_args.teacher_model")
+    return _open_clip_teacher(path, resolve_model_name(name), clip_to_open_clip(state),
+                              tokenizer_dir or hparams.get("tokenizer"))
+
+
+def _open_clip_hf_teacher(folder: str, tokenizer_dir: Optional[str]) -> Teacher:
+    with open(os.path.join(folder, OPEN_CLIP_HF_CONFIG)) as f:
+        config = json.load(f)
+    if "model_cfg" not in config:
+        raise ValueError(f"{KEY}: {os.path.join(folder, OPEN_CLIP_HF_CONFIG)} has no 'model_cfg'")
+    # open_clip registers model configs from files only: the folder's model_cfg is written to a
+    # temporary file (not into the folder, which may be read-only) and registered from there.
+    import tempfile
+
+    name = f"teacher_{sha256(folder)[:12]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, f"{name}.json"), "w") as f:
+            json.dump(config["model_cfg"], f)
+        open_clip.add_model_config(os.path.join(tmp, f"{name}.json"))
+    state = _read(os.path.join(folder, OPEN_CLIP_HF_WEIGHTS))
+    return _open_clip_teacher(folder, name, state, tokenizer_dir, config.get("preprocess_cfg"))
+
+
+def _hf_teacher(folder: str) -> Teacher:
+    try:
+        from transformers import CLIPConfig, CLIPModel
+    except ImportError as err:
+        raise ImportError(f"{KEY}: {folder} is a transformers folder: pip install -e '.[hf]'") from err
+    config = CLIPConfig.from_pretrained(folder, local_files_only=True)
+    model = CLIPModel(config)
+    try:
+        model.load_state_dict(_read(weights_file(folder)))
+    except RuntimeError as err:
+        raise ValueError(f"{KEY}: the weights of {folder} do not fit its config.json: {str(err).splitlines()[0]}") from None
+    tokenizer = _hf_tokenizer(folder, int(config.text_config.max_position_embeddings), config)
+    return Teacher(model, tokenizer, ("transformers", os.path.abspath(folder)), folder, hf=True)
+
+
+def _hf_tokenizer(folder: str, context_length: int, config: Any) -> Callable:
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "vocab.json")):
+        origin = getattr(config, "_name_or_path", "") or "REPO"
+        raise FileNotFoundError(
+            f"{KEY}: the teacher folder {folder!r} has no tokenizer files (tokenizer.json or vocab.json + "
+            f"merges.txt), and mmssl never downloads: fetch them once (huggingface-cli download {origin} "
+            f"--local-dir {folder})")
+    from open_clip.tokenizer import HFTokenizer
+
+    return HFTokenizer(folder, context_length=context_length)
+
+
+def load_teacher(path: str, model_name: Optional[str] = None, tokenizer_dir: Optional[str] = None) -> Teacher:
+    """Build the frozen teacher a file or folder holds (see the module docstring for the forms).
+
+    Args:
+        path: Lightning checkpoint, open_clip state dict, ``open_clip_hf`` or transformers folder.
+        model_name: the open_clip model name or JSON config of a state-dict file (and an override
+            of what an mmssl checkpoint records).
+        tokenizer_dir: local folder of the teacher's Hugging Face tokenizer, when its config names one.
+
+    Returns:
+        The teacher on the CPU, frozen, in eval mode.
+
+    Raises:
+        FileNotFoundError: no such file or folder, or a tokenizer not on disk (the message holds
+            the command that fetches it).
+        UnsafeCheckpointError: the weights file pickles code (nothing of it ran).
+        ValueError: an unreadable file, a non-CLIP checkpoint, weights that do not fit the model.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{KEY}: no teacher file or folder at {path!r}")
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, OPEN_CLIP_HF_CONFIG)):
+            return _open_clip_hf_teacher(path, tokenizer_dir)
+        if os.path.isfile(os.path.join(path, HF_CONFIG)):
+            return _hf_teacher(path)
+        raise FileNotFoundError(f"{KEY}: the folder {path!r} holds neither {OPEN_CLIP_HF_CONFIG} nor {HF_CONFIG}")
+    checkpoint = _read(path)
+    if isinstance(checkpoint.get("state_dict"), dict):
+        return _lightning_teacher(path, checkpoint, model_name, tokenizer_dir)
+    if model_name is None:
+        raise ValueError(f"{KEY}: {path} is a state dict: name its open_clip model or JSON config with "
+                         "model.init_args.teacher_model")
+    return _open_clip_teacher(path, resolve_model_name(model_name), strip_ddp(checkpoint), tokenizer_dir)

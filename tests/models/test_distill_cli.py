@@ -1,0 +1,68 @@
+"""Distillation through the real CLI: 2 gloo ranks with GradCache chunking and a teacher train
+what one plain process with the teacher trains, validation on.
+
+The set-up of tests/models/test_gradcache_cli.py (an 8-sample training set: every epoch is ONE
+global batch of all 8 samples on 1 or 2 ranks), with a teacher of another width and context, so
+the projection, the second tokenisation, the teacher's gathered logits and its chunked forward
+are all in the step. Both runs must end with the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
+from tests.models.test_distill import STUDENT, save_lightning
+from tests.models.test_gradcache_cli import SGD
+
+from mmssl.checkpoints import read_checkpoint
+from mmssl.data.demo import ensure_demo_data
+from mmssl.models.clip import CLIP
+
+
+def test_two_chunked_ranks_with_a_teacher_train_what_one_process_trains(tmp_path, tiny_clip_json):
+    demo = ensure_demo_data(str(tmp_path / "demo"), num_train=8, num_val=16, shard_size=8, image_size=32)
+    torch.manual_seed(3)
+    teacher = save_lightning(CLIP(tiny_clip_json), tmp_path / "teacher.ckpt")
+    student = tmp_path / "student.json"
+    student.write_text(json.dumps(STUDENT))
+    runs = {}
+    for processes, chunk in ((2, 3), (1, None)):
+        folder = tmp_path / f"p{processes}"
+        folder.mkdir()
+        ddp = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT] if processes == 2 else []
+        args = [
+            "fit", "--config", str(REPO / "configs/demo/clip.yaml"), *ddp,
+            f"--model.init_args.model_name={student}", f"--model.init_args.teacher={teacher}",
+            '--model.init_args.distill_weights={"contrastive": 1.0, "logits": 1.0, "features": 1.0}',
+            f"--model.init_args.contrastive_chunk_size={chunk or 'null'}",
+            "--model.init_args.warmup_steps=1", f"--model.init_args.optimizer={SGD}", f"--data.init_args.demo_dir={demo.root}",
+            f"--data.init_args.batch_size={8 // processes}", "--data.init_args.num_workers=0",
+            "--trainer.max_epochs=2", "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={folder / 'runs'}",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.callbacks+=tests.helpers.DumpParams", f"--trainer.callbacks.folder={folder / 'params'}",
+        ]
+        if processes == 2:
+            out = run_mmssl(args, folder, timeout=300)
+            assert out.returncode == 0, out.stdout[-3000:]
+            assert "world_size=2" in out.stdout
+        else:
+            run_one_process(args)
+        params = [torch.load(folder / "params" / f"rank{r}.pt") for r in range(processes)]
+        for name in params[0]:
+            torch.testing.assert_close(params[-1][name], params[0][name], rtol=0, atol=0, msg=name)
+        runs[processes] = (params[0], last_metrics(folder / "runs" / "version_0", ("val/", "train/")))
+    (two, two_metrics), (one, one_metrics) = runs[2], runs[1]
+    assert {"train/logits_loss", "train/features_loss", "val/zero_shot_top1"} <= two_metrics.keys()
+    # (train/* are rank 0's own shares, logged unreduced; the weights below carry the whole loss)
+    for key in ("val/zero_shot_top1", "val/zero_shot_top5", "val/i2t_R@1", "val/i2t_R@5", "val/t2i_R@5"):
+        assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-4, abs=1e-5), key
+    assert "distiller.projection.weight" in one
+    for name, value in one.items():
+        torch.testing.assert_close(two[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    (last,) = (tmp_path / "p2" / "runs").glob("version_0/checkpoints/last.ckpt")
+    checkpoint = read_checkpoint(str(last))
+    assert checkpoint["global_step"] == 2 and checkpoint["teacher"]["path"] == str(teacher)
+    assert not any("teacher" in k for k in checkpoint["state_dict"])
