@@ -12,8 +12,10 @@ Labels are not needed: image-text shards (``txt``, as training reads them) and l
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -24,6 +26,7 @@ from torch import Tensor
 from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadSample, SampleDecoder
 from mmssl.data.folders import LabeledFolder
 from mmssl.data.labeled import is_image_folder, shard_urls
+from mmssl.data.sources import is_local
 
 log = logging.getLogger("mmssl.data")
 
@@ -44,21 +47,33 @@ class HeldOut:
 
 def _shard_samples(data: str, decoder: SampleDecoder, counter: list[int]) -> Iterator[dict]:
     """Decoded samples of every shard, in order; a bad sample or tar member bumps ``counter[0]``."""
-    for url in shard_urls(data):
+    urls = shard_urls(data)
+    missing = [u for u in urls if is_local(u) and not os.path.exists(u)]
+    if missing:
+        raise FileNotFoundError(f"no such shard(s) {missing[:3]}")
+    for url in urls:
         def failed(exn: Exception, url: str = url) -> bool:
             counter[0] += 1
             log.warning(f"held-out buffer: skipped unreadable data in {url}: {type(exn).__name__}: {exn}")
             return True
 
-        for raw in wds.tarfile_samples([{"url": url}], handler=failed):
-            try:
-                sample = decoder(raw)
-            except BadSample as exn:
-                counter[0] += 1
-                log.warning(f"held-out buffer: skipped sample {raw.get('__key__')!r} in {url}: {exn}")
-                continue
-            sample.pop("label", None)  # not needed; a set may carry it on some samples only
-            yield sample
+        # webdataset's tarfile_samples never closes the file it opens; the buffer opens it itself.
+        try:
+            stream = wds.gopen(url)
+        except Exception as exn:  # a shard that cannot be opened is skipped like a bad member
+            failed(exn)
+            continue
+        with contextlib.closing(stream):
+            files = wds.tariterators.tar_file_expander([{"url": url, "stream": stream}], handler=failed)
+            for raw in wds.tariterators.group_by_keys(files, handler=failed):
+                try:
+                    sample = decoder(raw)
+                except BadSample as exn:
+                    counter[0] += 1
+                    log.warning(f"held-out buffer: skipped sample {raw.get('__key__')!r} in {url}: {exn}")
+                    continue
+                sample.pop("label", None)  # not needed; a set may carry it on some samples only
+                yield sample
 
 
 def _folder_samples(data: str, transform: Callable, max_pixels: Optional[int], counter: list[int]) -> Iterator[dict]:
@@ -103,7 +118,10 @@ def read_heldout(
     else:
         decoder = SampleDecoder(transform, tokenizer, image_key.split(";"), text_key, max_pixels=max_image_pixels)
         samples = _shard_samples(data, decoder, counter)
-    rows = list(itertools.islice(samples, limit))
+    try:
+        rows = list(itertools.islice(samples, limit))
+    finally:
+        samples.close()
     if not rows:
         return HeldOut(torch.zeros(0), None, counter[0])
     images = torch.stack([r["image"] for r in rows])  # (N, 3, H, W)
