@@ -6,7 +6,7 @@ Label-free figures of the embedding, on a fixed held-out buffer, during training
     trainer:
       callbacks:
         - class_path: mmssl.callbacks.EmbeddingHealth
-          init_args: {max_samples: 512, collapse_threshold: 0.05}
+          init_args: {max_samples: 256, collapse_threshold: 0.05}
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class EmbeddingHealth(pl.Callback):
     def __init__(
         self,
         data: Optional[str] = None,
-        max_samples: int = 512,
+        max_samples: int = 256,
         every_n_steps: Optional[int] = None,
         collapse_threshold: float = 0.05,
         batch_size: int = 256,
