@@ -85,8 +85,8 @@ class EmbeddingHealth(pl.Callback):
         self._warned = False
         self._last_step: Optional[int] = None
 
-    def _data(self, trainer: pl.Trainer) -> tuple[str, str]:
-        """The held-out set and the key that named it (for messages)."""
+    def _data(self, trainer: pl.Trainer) -> Optional[tuple[str, str]]:
+        """The held-out set and the key that named it (for messages); ``None`` when there is none."""
         if self.data:
             return self.data, "init_args.data"
         dm = trainer.datamodule
@@ -94,14 +94,19 @@ class EmbeddingHealth(pl.Callback):
             value = getattr(dm, key, None)
             if isinstance(value, str) and value:  # a list of weighted sources is no one set
                 return value, f"data.{key}"
-        raise ValueError("EmbeddingHealth needs a held-out set and the data module offers none: pass "
-                         "--data.val_data SHARDS, or set init_args.data in its trainer.callbacks entry")
+        return None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.every_n_steps is None and not will_evaluate(trainer, stage):
             return
         # Every rank reads the buffer at start-up, so a missing or empty set stops all of them at once.
-        data, key = self._data(trainer)
+        found = self._data(trainer)
+        if found is None:  # e.g. unlabelled training shards and no val_data: nothing to watch
+            self.buffer = None
+            rank_zero_warn("EmbeddingHealth: no held-out set (data.val_data, or init_args.data in its "
+                           "trainer.callbacks entry): the health/* figures are off for this run")
+            return
+        data, key = found
         dm = trainer.datamodule
         tokenizer = getattr(pl_module, "tokenizer", None) if hasattr(pl_module, "encode_text") else None
         transform = eval_transform(pl_module.image_size, pl_module.image_mean, pl_module.image_std)
@@ -139,7 +144,7 @@ class EmbeddingHealth(pl.Callback):
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """Every rank embeds its slice; returns the ``health/*`` figures of the whole buffer."""
         if self.buffer is None:
-            raise RuntimeError("EmbeddingHealth: no buffer (setup did not run for this stage)")
+            return {}  # no held-out set (warned at setup): every rank alike, no collective
         start = time.perf_counter()
         embeddings = self._embed(trainer, pl_module)
         n, dim = len(self.buffer), embeddings["image"].shape[1]

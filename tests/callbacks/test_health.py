@@ -78,7 +78,7 @@ def test_every_n_steps_logs_each_step_and_a_collapse_warns_once(collapsed, tmp_p
     assert 0 <= float(rows[-1]["health/alignment"]) <= 4
 
 
-def test_a_missing_set_is_refused_at_setup_naming_the_key(tmp_path):
+def test_a_missing_set_is_refused_at_setup_naming_the_key_and_no_set_turns_it_off(tmp_path):
     trainer = types.SimpleNamespace(datamodule=None, limit_val_batches=1.0, is_global_zero=True)
     health = EmbeddingHealth(data=str(tmp_path / "nowhere" / "{0..1}.tar"))
     with pytest.raises(FileNotFoundError, match="EmbeddingHealth: init_args.data="):
@@ -87,5 +87,7 @@ def test_a_missing_set_is_refused_at_setup_naming_the_key(tmp_path):
     write_tar(tmp_path / "one" / "0.tar", [("a.jpg", image_bytes(0))])
     with pytest.raises(ValueError, match="gave 1 readable samples"):
         EmbeddingHealth(data=str(tmp_path / "one" / "0.tar")).setup(trainer, TinyImageModel(False), "validate")
-    with pytest.raises(ValueError, match="needs a held-out set"):
-        EmbeddingHealth().setup(trainer, TinyImageModel(False), "validate")
+    health = EmbeddingHealth()  # no set anywhere: a warning, and the callback does nothing
+    with pytest.warns(UserWarning, match="no held-out set"):
+        health.setup(trainer, TinyImageModel(False), "validate")
+    assert health.evaluate(trainer, TinyImageModel(False)) == {}
