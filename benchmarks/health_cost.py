@@ -68,10 +68,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--max-samples", type=int, default=256)
     parser.add_argument("--output-json", help="write the results here")
     args = parser.parse_args(argv)
-    results = [time_calls(c, args.repeats, args.max_samples) for c in args.config]
-    for r in results:
+    results = []
+    for config in args.config:  # each line as soon as its config is done
+        results.append(r := time_calls(config, args.repeats, args.max_samples))
         print(f"{r['config']}: {r['median_ms']:.0f} ms per call (min {r['min_ms']:.0f}, max {r['max_ms']:.0f}), "
-              f"{r['median_cpu_ms']:.0f} ms of CPU time; {r['samples']} samples, {r['threads']} threads")
+              f"{r['median_cpu_ms']:.0f} ms of CPU time; {r['samples']} samples, {r['threads']} threads", flush=True)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(results, indent=2))
     return 0
