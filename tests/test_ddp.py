@@ -71,7 +71,8 @@ CALLBACKS = {
 
 @pytest.mark.parametrize("recipe, val", [("clip", "uneven"), ("mae", "one")])
 def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, tiny_clip_json):
-    """val/loss, retrieval, zero-shot, linear (per block) and k-NN probes: 2 ranks = 1 process.
+    """val/loss, retrieval, zero-shot, linear (per block) and k-NN probes, and the demo configs'
+    label-free health figures (EmbeddingHealth): 2 ranks = 1 process.
 
     The learning rate is 0, so both runs validate the same weights; validation shards hold
     whole batches (16 samples, batch 4), so CLIP's in-batch loss sees the same batches too.
@@ -90,10 +91,12 @@ def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, 
         assert out.returncode == 0, out.stdout[-3000:]
         # The callbacks' figures are reduced over ranks and logged as such: no Lightning advice.
         assert "sync_dist=True" not in out.stdout, out.stdout[-3000:]
-        figures.append(last_metrics(folder / "runs" / "version_0"))
+        figures.append(last_metrics(folder / "runs" / "version_0", ("val/", "probe/", "health/")))
     one, two = figures
-    expected = {"val/loss", "probe/linear_top1", "probe/linear_top1_block1", "probe/knn_top1"}
-    expected |= {"val/zero_shot_top1", "val/i2t_R@1", "val/t2i_R@10"} if recipe == "clip" else set()
+    expected = {"val/loss", "probe/linear_top1", "probe/linear_top1_block1", "probe/knn_top1",
+                "health/rankme", "health/alignment", "health/uniformity"}
+    expected |= {"val/zero_shot_top1", "val/i2t_R@1", "val/t2i_R@10", "health/modality_gap",
+                 "health/logit_scale"} if recipe == "clip" else set()
     assert expected <= one.keys() and one.keys() == two.keys()
     for key in one:
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-5), key

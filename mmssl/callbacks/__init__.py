@@ -2,6 +2,7 @@
 
 from mmssl.callbacks.ema import EMA
 from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
+from mmssl.callbacks.health import EmbeddingHealth
 from mmssl.callbacks.knn import KNNProbe
 from mmssl.callbacks.linear_probe import LinearProbe
 from mmssl.callbacks.log_step import LogStepOnResume
@@ -12,4 +13,4 @@ from mmssl.callbacks.summary import RunSummary
 from mmssl.callbacks.throughput import Throughput
 from mmssl.callbacks.zero_shot import ZeroShot
 
-__all__ = ["EMA", "EmbeddingProjector", "EvaluationBufferSync", "KNNProbe", "LinearProbe", "LogStepOnResume", "NonFiniteGuard", "Reconstructions", "RNGState", "RunSummary", "Throughput", "ZeroShot"]
+__all__ = ["EMA", "EmbeddingHealth", "EmbeddingProjector", "EvaluationBufferSync", "KNNProbe", "LinearProbe", "LogStepOnResume", "NonFiniteGuard", "Reconstructions", "RNGState", "RunSummary", "Throughput", "ZeroShot"]
