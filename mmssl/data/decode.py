@@ -153,6 +153,9 @@ class SampleDecoder:
             (e.g. :class:`~mmssl.data.transforms.BatchNormalize` after a uint8 ``transform``).
         num_classes: labels must lie in ``[0, num_classes)``; ``None``: any int64 >= 0.
         max_pixels: largest image decoded (width x height from the header), see :func:`open_image`.
+        captions: makes each caption from the sample's class label instead of reading
+            ``text_key`` (FLYP; :class:`mmssl.data.captions.ClassCaptions`), the template drawn
+            from the sample's RNG after its crop.
     """
 
     def __init__(
@@ -166,7 +169,9 @@ class SampleDecoder:
         batch_transform: Optional[Callable] = None,
         num_classes: Optional[int] = None,
         max_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS,
+        captions: Optional[Any] = None,
     ) -> None:
+        self.captions = captions
         self.transform, self.tokenizer, self.batch_transform = transform, tokenizer, batch_transform
         self.image_keys, self.text_key, self.label_key = tuple(image_keys), text_key, label_key
         self.min_size, self.num_classes, self.max_pixels = min_size, num_classes, max_pixels
@@ -181,7 +186,7 @@ class SampleDecoder:
         if image_key is None:
             raise BadSample(f"no image (looked for {', '.join(self.image_keys)})")
         out: dict[str, Any] = {}
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.captions is None:
             out["text"] = self._caption(raw)  # tokenised with its batch, in collate
         if self.label_key in raw:
             try:
@@ -189,6 +194,8 @@ class SampleDecoder:
             except ValueError as exn:
                 raise BadSample(str(exn)) from None
         out["image"] = self._image(raw, image_key, rng)
+        if self.tokenizer is not None and self.captions is not None:  # drawn after the crop's draws
+            out["text"] = self.captions.caption(out.get("label"), rng, raw.get("__key__"))
         return out
 
     def _image(self, raw: dict[str, Any], image_key: str, rng: Optional[random.Random]) -> Any:
