@@ -87,7 +87,7 @@ def module_class(kind: ModelKind) -> type[pl.LightningModule]:
 def build_module(path: str, checkpoint: dict[str, Any], kind: ModelKind) -> pl.LightningModule:
     """Build ``kind``'s module from the checkpoint's hyper-parameters and load its weights (strictly).
 
-    ``pretrained`` / ``init_encoder`` are not re-read: the checkpoint's weights replace whatever
+    ``pretrained`` / ``init_encoder`` / ``zero_shot_head`` are not re-read: the checkpoint's weights replace whatever
     they would load.
 
     Returns:
@@ -99,7 +99,7 @@ def build_module(path: str, checkpoint: dict[str, Any], kind: ModelKind) -> pl.L
     unknown = sorted(set(hparams) - set(accepted))
     if unknown:
         raise ValueError(f"{path}: hyper-parameters {unknown} are not arguments of {cls.__name__}")
-    hparams.update({k: None for k in ("pretrained", "init_encoder") if k in accepted})
+    hparams.update({k: None for k in ("pretrained", "init_encoder", "zero_shot_head") if k in accepted})
     module = cls(**hparams)
     module.load_state_dict(checkpoint["state_dict"])
     return module.eval()
