@@ -30,6 +30,7 @@ CASES = {
     "plan_stream": ["--data", f"{MISSING}/{{0..3}}.tar", "--batch-size", "4"],
     "scaling_fit": [MISSING, "--output", "out"],
     "similarity_map": ["--ckpt", MISSING, "--images", "a.png", "--text", "a", "--output", "out"],
+    "wise_ft": ["--start", MISSING, "--end", MISSING, "--keep", "a", "--export-alpha", "0.5", "--output", "out.pth"],
     "zero_shot": ["--ckpt", MISSING, "--data", "a"],
 }
 
