@@ -89,8 +89,8 @@ def module_class(kind: ModelKind) -> type[pl.LightningModule]:
 def build_module(path: str, checkpoint: dict[str, Any], kind: ModelKind) -> pl.LightningModule:
     """Build ``kind``'s module from the checkpoint's hyper-parameters and load its weights (strictly).
 
-    ``pretrained`` / ``init_encoder`` are not re-read: the checkpoint's weights replace whatever
-    they would load; nor is a CLIP's distillation ``teacher`` / ``teacher_embeddings``.
+    ``pretrained`` / ``init_encoder`` / ``zero_shot_head`` are not re-read: the checkpoint's weights replace
+    whatever they would load; nor is a CLIP's distillation ``teacher`` / ``teacher_embeddings``.
 
     Returns:
         The module on the CPU, in eval mode.
@@ -102,7 +102,8 @@ def build_module(path: str, checkpoint: dict[str, Any], kind: ModelKind) -> pl.L
     if unknown:
         raise ValueError(f"{path}: hyper-parameters {unknown} are not arguments of {cls.__name__}")
     # Neither initial weights nor a distillation teacher is needed to rebuild a trained module.
-    hparams.update({k: None for k in ("pretrained", "init_encoder", "teacher", "teacher_embeddings") if k in accepted})
+    rebuilt_without = ("pretrained", "init_encoder", "zero_shot_head", "teacher", "teacher_embeddings")
+    hparams.update({k: None for k in rebuilt_without if k in accepted})
     module = cls(**hparams)
     module.load_state_dict(checkpoint["state_dict"])
     return module.eval()

@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from mmssl.data.captions import class_captions
 from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS, SampleDecoder, draft_size, trim_text_padding
 from mmssl.data.demo import demo_data
 from mmssl.data.options import check_data_options
@@ -126,6 +127,14 @@ class ImageTextDataModule(pl.LightningDataModule):
             (linked from the model): training captions are tokenised by both.
         teacher_embeddings: folder of stored teacher embeddings (``tools/teacher_embeddings.py``;
             linked from the model) joined to training samples by key; a sample without them is bad.
+        captions_from_classes: FLYP (Goyal et al. 2022): captions made from each sample's class
+            label and a prompt template drawn per sample, instead of the shards' ``text_key``:
+            a class-names file (one name a line, in label order) or a labelled set holding
+            ``classnames.txt`` (:mod:`mmssl.data.captions`). A sample without a label, or with a
+            label beyond the names, is a bad sample.
+        caption_templates: the templates file of ``captions_from_classes`` (one prompt a line,
+            with ``{c}``); unset: ``zeroshot_classification_templates.txt`` beside the class
+            names, else CLIP's 80 ImageNet prompts.
     """
 
     def __init__(
@@ -158,8 +167,19 @@ class ImageTextDataModule(pl.LightningDataModule):
         max_image_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS,
         teacher_tokenizer: Optional[Callable] = None,
         teacher_embeddings: Optional[str] = None,
+        captions_from_classes: Optional[str] = None,
+        caption_templates: Optional[str] = None,
     ) -> None:
         super().__init__()
+        if caption_templates and not captions_from_classes:
+            raise ValueError("data.init_args.caption_templates is set without data.init_args.captions_from_classes: "
+                             "the templates make captions from class names; name the class-names file too")
+        # Read now, so a missing or bad class-names file stops the run before any data is read; in
+        # demo mode in setup, once the demo set (and its classnames.txt) is written.
+        self._caption_files = (captions_from_classes, caption_templates)
+        self.captions = None
+        if captions_from_classes and train_data is not None:
+            self.captions = class_captions(captions_from_classes, caption_templates)
         check_data_options(batch_size, num_workers, max_bad_fraction, shuffle_buffer, image_size, train_num_samples,
                            crop_scale, eval_crop_pct, image_mean, image_std,
                            dict(image_key=image_key, text_key=text_key, label_key=label_key))
@@ -198,6 +218,8 @@ class ImageTextDataModule(pl.LightningDataModule):
             self.train_data = demo.train
             self.val_data = self.val_data or demo.val
             self.eval_data = demo.eval_dir
+            if self._caption_files[0] and self.captions is None:
+                self.captions = class_captions(*self._caption_files)
         if stage == "fit":
             # Plan the streams now: setup runs before the model is moved to its device, so a
             # missing shard, an empty folder or too few shards for ranks x workers fails here,
@@ -257,7 +279,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         teacher = (self.teacher_tokenizer, self.teacher_embeddings) if train else (None, None)  # training only
         return SampleDecoder(transform, self.tokenizer, self.image_key.split(";"), self.text_key,
                              self.label_key, min_size, batch_transform, self.num_classes, self.max_image_pixels,
-                             *teacher)
+                             *teacher, captions=self.captions)
 
     def build_stream(self, data: DataSpec, train: bool, rank: int = 0, world_size: int = 1) -> ShardStream:
         """The dataset of one rank (tests pass ``rank``/``world_size`` to simulate ranks).

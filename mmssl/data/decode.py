@@ -158,6 +158,9 @@ class SampleDecoder:
         teacher_embeddings: stored teacher embeddings joined by key
             (:class:`mmssl.data.teacher_embeddings.TeacherEmbeddings`), as ``teacher_image_features``
             and ``teacher_text_features``; a sample without them is bad.
+        captions: makes each caption from the sample's class label instead of reading
+            ``text_key`` (FLYP; :class:`mmssl.data.captions.ClassCaptions`), the template drawn
+            from the sample's RNG after its crop.
     """
 
     def __init__(
@@ -173,7 +176,9 @@ class SampleDecoder:
         max_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS,
         teacher_tokenizer: Optional[Callable] = None,
         teacher_embeddings: Optional[Any] = None,
+        captions: Optional[Any] = None,
     ) -> None:
+        self.captions = captions
         self.transform, self.tokenizer, self.batch_transform = transform, tokenizer, batch_transform
         self.image_keys, self.text_key, self.label_key = tuple(image_keys), text_key, label_key
         self.min_size, self.num_classes, self.max_pixels = min_size, num_classes, max_pixels
@@ -190,7 +195,7 @@ class SampleDecoder:
         if image_key is None:
             raise BadSample(f"no image (looked for {', '.join(self.image_keys)})")
         out: dict[str, Any] = {}
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.captions is None:
             out["text"] = self._caption(raw)  # tokenised with its batch, in collate
         if self.label_key in raw:
             try:
@@ -200,6 +205,8 @@ class SampleDecoder:
         if self.teacher_embeddings is not None:  # before the image: a missing row costs no decode
             out["teacher_image_features"], out["teacher_text_features"] = self.teacher_embeddings.lookup(raw)
         out["image"] = self._image(raw, image_key, rng)
+        if self.tokenizer is not None and self.captions is not None:  # drawn after the crop's draws
+            out["text"] = self.captions.caption(out.get("label"), rng, raw.get("__key__"))
         return out
 
     def _image(self, raw: dict[str, Any], image_key: str, rng: Optional[random.Random]) -> Any:

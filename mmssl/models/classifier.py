@@ -37,6 +37,7 @@ from mmssl.distributed import seed_per_rank
 from mmssl.log_cadence import logging_step
 from mmssl.models.memory import compile_blocks, compile_options
 from mmssl.models.vit import load_encoder
+from mmssl.models.zero_shot_head import init_zero_shot_head
 from mmssl.optim import check_warmup, warmup_cosine
 from mmssl.upstream import attached_trainer
 
@@ -106,6 +107,13 @@ class ImageClassifier(LightningModule):
         image_std: per-channel normalisation std, likewise.
         grad_checkpointing: timm's activation checkpointing of the blocks (``set_grad_checkpointing``).
         compile: ``torch.compile`` the blocks in place; ``true`` or a dict of its arguments.
+        zero_shot_head: a CLIP checkpoint (timm image tower) whose text embeddings of the class
+            prompts initialise the head, the CLIP's projection folded in, so that the classifier
+            starts with the CLIP's zero-shot predictions (WiSE-FT; :mod:`mmssl.models.zero_shot_head`).
+            Usually the ``init_encoder`` file; needs ``global_pool`` = the tower's ``timm_pool``.
+        head_classnames: class-names file (or labelled set) of ``zero_shot_head``, in label order.
+        head_templates: prompt templates file of ``zero_shot_head`` (default: beside the class
+            names, else CLIP's 80 ImageNet prompts).
     """
 
     tokenizer = None  # images and labels only; the CLI links this into the data module
@@ -137,6 +145,9 @@ class ImageClassifier(LightningModule):
         image_std: tuple[float, float, float] = IMAGENET_STD,
         grad_checkpointing: bool = False,
         compile: Union[bool, dict[str, Any]] = False,
+        zero_shot_head: Optional[str] = None,
+        head_classnames: Optional[str] = None,
+        head_templates: Optional[str] = None,
     ) -> None:
         super().__init__()
         if num_classes < 2:
@@ -169,6 +180,8 @@ class ImageClassifier(LightningModule):
                 trunc_normal_(self.model.head.weight, std=head_init_std)
             rank_zero_info(f"ImageClassifier: encoder from {init_encoder}; new {missing}; "
                            f"not loaded: {len(ignored)} keys {ignored[:6]}")
+        if zero_shot_head:
+            init_zero_shot_head(self.model.head, zero_shot_head, head_classnames, head_templates, global_pool)
         self.mixup_fn: Optional[Mixup] = None
         if mixup > 0 or cutmix > 0:
             self.mixup_fn = Mixup(

@@ -70,7 +70,8 @@ class CLIP(pl.LightningModule):
     Args:
         model_name: open_clip model config name, or path to a JSON config file.
         pretrained: local open_clip checkpoint file to start from (e.g. one written by
-            ``tools/export.py --format open_clip``); ``None`` for random init. Never downloads.
+            ``tools/export.py --format open_clip``) or an mmssl CLIP Lightning checkpoint of the
+            same model config; ``None`` for random init. Never downloads.
         loss: ``clip`` (softmax InfoNCE) or ``siglip`` (sigmoid loss with a learnable bias).
         init_logit_scale: initial log of the logit scale; ``None``: log(1/0.07) for clip,
             log(10) for siglip.

@@ -34,20 +34,38 @@ def create_model(name: str, pretrained: Optional[str] = None, **kwargs: Any) -> 
 
     Args:
         name: open_clip model name (see :func:`resolve_model_name`).
-        pretrained: local open_clip checkpoint file, or ``None`` for random weights.
+        pretrained: local open_clip checkpoint file, an mmssl CLIP Lightning checkpoint (its
+            ``model.*`` weights), or ``None`` for random weights.
         **kwargs: passed to ``open_clip.create_model``.
 
     Returns:
         The open_clip model.
     """
     if pretrained is not None:
-        return open_clip.create_model(name, pretrained=pretrained, **kwargs)
+        mmssl_clip = _mmssl_clip_weights(pretrained)
+        if mmssl_clip is None:
+            return open_clip.create_model(name, pretrained=pretrained, **kwargs)
+        model = create_model(name, None, **kwargs)
+        model.load_state_dict(mmssl_clip)  # strict: another model config fails naming the keys
+        return model
     root, notice = logging.getLogger(), _DropRandomInitNotice()
     root.addFilter(notice)  # open_clip's factory logs through logging.warning (the root logger)
     try:
         return open_clip.create_model(name, pretrained=None, **kwargs)
     finally:
         root.removeFilter(notice)
+
+
+def _mmssl_clip_weights(path: str) -> Optional[dict[str, torch.Tensor]]:
+    """The open_clip state dict inside an mmssl CLIP Lightning checkpoint (``model.*`` keys), read
+    by the safe reader, or ``None`` for any other file (an open_clip state dict: open_clip reads it)."""
+    if path.endswith(".safetensors") or not os.path.isfile(path):
+        return None
+    state = read_checkpoint(path, mmap=True)
+    weights = state.get("state_dict")
+    if not isinstance(weights, dict) or "model.logit_scale" not in weights:
+        return None
+    return {k[len("model."):]: v for k, v in weights.items() if k.startswith("model.")}
 
 
 def resolve_model_name(model_name: str) -> str:

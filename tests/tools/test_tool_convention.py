@@ -31,6 +31,7 @@ CASES = {
     "scaling_fit": [MISSING, "--output", "out"],
     "similarity_map": ["--ckpt", MISSING, "--images", "a.png", "--text", "a", "--output", "out"],
     "teacher_embeddings": ["--ckpt", MISSING, "--data", "a", "--output", "out"],
+    "wise_ft": ["--start", MISSING, "--end", MISSING, "--keep", "a", "--export-alpha", "0.5", "--output", "out.pth"],
     "zero_shot": ["--ckpt", MISSING, "--data", "a"],
 }
 
