@@ -35,6 +35,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD  # MAE util/datasets.py normalisation
 from mmssl.distributed import seed_per_rank
 from mmssl.log_cadence import logging_step
+from mmssl.models.lora import CLASSIFIER_TRAINABLE, TIMM_TOWERS, LoraCheckpoint, enable_lora
 from mmssl.models.vit import load_encoder
 from mmssl.optim import check_warmup, warmup_cosine
 from mmssl.upstream import attached_trainer
@@ -71,7 +72,7 @@ def vit_block_features(model: nn.Module, images: Tensor, pool: str = "cls", norm
     return [prefix[:, 0] if pool == "cls" else patches.mean(dim=1) for patches, prefix in out]
 
 
-class ImageClassifier(LightningModule):
+class ImageClassifier(LoraCheckpoint, LightningModule):
     """Fine-tune a timm ViT with a new head (MAE's end-to-end fine-tuning protocol).
 
     Args:
@@ -103,6 +104,8 @@ class ImageClassifier(LightningModule):
         label_smoothing: label smoothing (MAE: 0.1), in the mixed targets or the loss.
         image_mean: per-channel normalisation mean (linked to the data module).
         image_std: per-channel normalisation std, likewise.
+        lora: LoRA adapters ``{r, alpha, dropout, target_modules, trainable}`` on the ViT's blocks
+            (``mmssl.models.lora``; the head and ``fc_norm`` train too); needs ``init_encoder``.
     """
 
     tokenizer = None  # images and labels only; the CLI links this into the data module
@@ -132,6 +135,7 @@ class ImageClassifier(LightningModule):
         label_smoothing: float = 0.1,
         image_mean: tuple[float, float, float] = IMAGENET_MEAN,
         image_std: tuple[float, float, float] = IMAGENET_STD,
+        lora: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         if num_classes < 2:
@@ -160,6 +164,7 @@ class ImageClassifier(LightningModule):
                 trunc_normal_(self.model.head.weight, std=head_init_std)
             rank_zero_info(f"ImageClassifier: encoder from {init_encoder}; new {missing}; "
                            f"not loaded: {len(ignored)} keys {ignored[:6]}")
+        enable_lora(self, lora, TIMM_TOWERS, {"init_encoder": init_encoder}, "init_encoder", CLASSIFIER_TRAINABLE)
         self.mixup_fn: Optional[Mixup] = None
         if mixup > 0 or cutmix > 0:
             self.mixup_fn = Mixup(

@@ -29,6 +29,8 @@ from mmssl.log_cadence import logging_step
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.flip import install_flip_masking
 from mmssl.models.gradcache import cached_features
+from mmssl.models.lit import init_image_tower
+from mmssl.models.lora import CLIP_TRAINABLE, LoraCheckpoint, clip_towers, enable_lora
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
     OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, create_model, resolve_model_name, text_padding_is_inert)
 from mmssl.optim import Phase, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
@@ -60,7 +62,7 @@ def _scalars_to_own_shape(module: torch.nn.Module, state_dict: dict, prefix: str
             state_dict[name] = state_dict[name].reshape(param.shape)
 
 
-class CLIP(pl.LightningModule):
+class CLIP(LoraCheckpoint, pl.LightningModule):
     """Contrastive image-text pretraining: CLIP, SigLIP, FLIP and LiT from one module.
 
     Args:
@@ -106,6 +108,10 @@ class CLIP(pl.LightningModule):
             memory grows with the chunk, not the per-device batch, while the loss and every
             gradient stay those of the whole batch (``mmssl.models.gradcache``); costs one
             more forward of the towers per step. ``None``: the whole batch at once.
+        image_tower_init: LiT from an MAE: a ViT checkpoint (mmssl MAE, a timm export of one, ...)
+            that fills a timm image tower (``mmssl.models.lit``); pair with ``lock_image``.
+        lora: LoRA adapters ``{r, alpha, dropout, target_modules, towers, trainable}`` on the
+            towers of the ``pretrained`` model (``mmssl.models.lora``); ``None``: none.
     """
 
     def __init__(
@@ -129,6 +135,8 @@ class CLIP(pl.LightningModule):
         contrastive_chunk_size: Optional[int] = None,
         no_weight_decay: Optional[list[str]] = None,
         tokenizer: Optional[str] = None,
+        image_tower_init: Optional[str] = None,
+        lora: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -149,8 +157,12 @@ class CLIP(pl.LightningModule):
             # open_clip fills a missing bias with 0 (its issue 712); SigLiT from a CLIP file wants b.
             with torch.no_grad():
                 self.model.logit_bias.fill_(bias)
+        if image_tower_init:
+            init_image_tower(self.model, image_tower_init)
         if lock_image:
             self.model.lock_image_tower(unlocked_groups=lock_image_unlocked_groups)
+        enable_lora(self, lora, clip_towers(self.model), {"pretrained": pretrained, "image_tower_init": image_tower_init},
+                    "pretrained", CLIP_TRAINABLE)
         if image_mask_ratio is None:
             vision_cfg = open_clip.get_model_config(name)["vision_cfg"]
             image_mask_ratio = float(vision_cfg.get("patch_dropout", 0.0))
