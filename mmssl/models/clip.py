@@ -110,6 +110,9 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
             more forward of the towers per step. ``None``: the whole batch at once.
         image_tower_init: LiT from an MAE: a ViT checkpoint (mmssl MAE, a timm export of one, ...)
             that fills a timm image tower (``mmssl.models.lit``); pair with ``lock_image``.
+        image_mean: per-channel normalisation mean (linked to the data module); ``None``: open_clip's
+            (OpenAI's). A tower pretrained elsewhere keeps its own: an mmssl MAE's is ImageNet's.
+        image_std: per-channel normalisation std, likewise.
         lora: LoRA adapters ``{r, alpha, dropout, target_modules, towers, trainable}`` on the
             towers of the ``pretrained`` model (``mmssl.models.lora``); ``None``: none.
     """
@@ -136,6 +139,8 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         no_weight_decay: Optional[list[str]] = None,
         tokenizer: Optional[str] = None,
         image_tower_init: Optional[str] = None,
+        image_mean: Optional[tuple[float, float, float]] = None,
+        image_std: Optional[tuple[float, float, float]] = None,
         lora: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
@@ -151,7 +156,9 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
                 f"got {unmasked_tune_steps}, {unmasked_tune_warmup_steps}, {unmasked_tune_lr_ratio}")
         name = resolve_model_name(model_name)
         init = self._init_kwargs(loss, init_logit_scale, init_logit_bias)
-        self.model = create_model(name, pretrained=pretrained, output_dict=True, **init)
+        norm = {k: tuple(v) for k, v in (("mean", image_mean), ("std", image_std)) if v is not None}
+        self.model = create_model(name, pretrained=pretrained, output_dict=True, **init,
+                                  **({"force_preprocess_cfg": norm} if norm else {}))
         bias = init.get("init_logit_bias")
         if pretrained is not None and bias is not None and not checkpoint_has(pretrained, "logit_bias"):
             # open_clip fills a missing bias with 0 (its issue 712); SigLiT from a CLIP file wants b.
