@@ -19,6 +19,7 @@ import yaml
 
 from mmssl.checkpoints.layouts import KINDS, ModelKind, detect_kind, kind_named
 from mmssl.checkpoints.read import lightning_weights, read_checkpoint
+from mmssl.models.lora import BASE_ARGS, LORA_BASE, check_base, load_trained_state
 from mmssl.upstream import lightning_cli_class_path
 
 
@@ -89,8 +90,11 @@ def module_class(kind: ModelKind) -> type[pl.LightningModule]:
 def build_module(path: str, checkpoint: dict[str, Any], kind: ModelKind) -> pl.LightningModule:
     """Build ``kind``'s module from the checkpoint's hyper-parameters and load its weights (strictly).
 
-    ``pretrained`` / ``init_encoder`` / ``zero_shot_head`` are not re-read: the checkpoint's weights replace
-    whatever they would load; nor is a CLIP's distillation ``teacher`` / ``teacher_embeddings``.
+    ``pretrained`` / ``init_encoder`` / ``image_tower_init`` / ``zero_shot_head`` are not re-read: the
+    checkpoint's weights replace whatever they would load; nor is a CLIP's distillation ``teacher`` /
+    ``teacher_embeddings``. A LoRA checkpoint (``lora_base``) holds only what trained: its base is
+    rebuilt from the recorded files (checksums checked, :func:`mmssl.models.lora.check_base`), then
+    the adapters loaded.
 
     Returns:
         The module on the CPU, in eval mode.
@@ -101,11 +105,17 @@ def build_module(path: str, checkpoint: dict[str, Any], kind: ModelKind) -> pl.L
     unknown = sorted(set(hparams) - set(accepted))
     if unknown:
         raise ValueError(f"{path}: hyper-parameters {unknown} are not arguments of {cls.__name__}")
-    # Neither initial weights nor a distillation teacher is needed to rebuild a trained module.
-    rebuilt_without = ("pretrained", "init_encoder", "zero_shot_head", "teacher", "teacher_embeddings")
+    # Neither initial weights nor a distillation teacher is needed to rebuild a trained module,
+    # except the base files a LoRA checkpoint's adapters sit on.
+    base = check_base(checkpoint[LORA_BASE], path) if checkpoint.get(LORA_BASE) else {}
+    rebuilt_without = ("zero_shot_head", "teacher", "teacher_embeddings")
     hparams.update({k: None for k in rebuilt_without if k in accepted})
+    hparams.update({k: base.get(k) for k in BASE_ARGS if k in accepted})
     module = cls(**hparams)
-    module.load_state_dict(checkpoint["state_dict"])
+    if base:
+        load_trained_state(module, checkpoint["state_dict"], path)
+    else:
+        module.load_state_dict(checkpoint["state_dict"])
     return module.eval()
 
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from mmssl.checkpoints.layouts import ModelKind, clip_to_open_clip, detect_kind, kinds_for
 from mmssl.checkpoints.load import build_module, checkpoint_kind, read_lightning
+from mmssl.export.merge import merged_checkpoint
 from mmssl.export.paths import check_output, save_state_file, write_folder
 
 StateDict = dict[str, torch.Tensor]
@@ -133,6 +134,7 @@ def export_checkpoint(ckpt: str, format: str, output: str, overwrite: bool = Fal
         kind = None  # no kind of the table: the file format's converter names what it lacks
     if kind is not None:
         check_format(kind, format)
+        checkpoint = merged_checkpoint(ckpt, checkpoint, kind)  # LoRA adapters folded into the weights
     if folder:
         module = build_module(ckpt, checkpoint, kind)
         return write_folder(output, lambda tmp: FOLDER_EXPORTERS[format](module, tmp, ckpt))

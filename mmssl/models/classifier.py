@@ -36,6 +36,7 @@ from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD  # MAE util/datase
 from mmssl.distributed import seed_per_rank
 from mmssl.log_cadence import logging_step
 from mmssl.models.memory import compile_blocks, compile_options
+from mmssl.models.lora import CLASSIFIER_TRAINABLE, TIMM_TOWERS, LoraCheckpoint, enable_lora
 from mmssl.models.vit import load_encoder
 from mmssl.models.zero_shot_head import init_zero_shot_head
 from mmssl.optim import check_warmup, warmup_cosine
@@ -73,7 +74,7 @@ def vit_block_features(model: nn.Module, images: Tensor, pool: str = "cls", norm
     return [prefix[:, 0] if pool == "cls" else patches.mean(dim=1) for patches, prefix in out]
 
 
-class ImageClassifier(LightningModule):
+class ImageClassifier(LoraCheckpoint, LightningModule):
     """Fine-tune a timm ViT with a new head (MAE's end-to-end fine-tuning protocol).
 
     Args:
@@ -114,6 +115,8 @@ class ImageClassifier(LightningModule):
         head_classnames: class-names file (or labelled set) of ``zero_shot_head``, in label order.
         head_templates: prompt templates file of ``zero_shot_head`` (default: beside the class
             names, else CLIP's 80 ImageNet prompts).
+        lora: LoRA adapters ``{r, alpha, dropout, target_modules, trainable}`` on the ViT's blocks
+            (``mmssl.models.lora``; the head and ``fc_norm`` train too); needs ``init_encoder``.
     """
 
     tokenizer = None  # images and labels only; the CLI links this into the data module
@@ -148,6 +151,7 @@ class ImageClassifier(LightningModule):
         zero_shot_head: Optional[str] = None,
         head_classnames: Optional[str] = None,
         head_templates: Optional[str] = None,
+        lora: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         if num_classes < 2:
@@ -182,6 +186,7 @@ class ImageClassifier(LightningModule):
                            f"not loaded: {len(ignored)} keys {ignored[:6]}")
         if zero_shot_head:
             init_zero_shot_head(self.model.head, zero_shot_head, head_classnames, head_templates, global_pool)
+        enable_lora(self, lora, TIMM_TOWERS, {"init_encoder": init_encoder}, "init_encoder", CLASSIFIER_TRAINABLE)
         self.mixup_fn: Optional[Mixup] = None
         if mixup > 0 or cutmix > 0:
             self.mixup_fn = Mixup(

@@ -32,6 +32,8 @@ from mmssl.models.flip import install_flip_masking
 from mmssl.models.gradcache import cached_features
 from mmssl.models.locking import LockOptions, lock_towers
 from mmssl.models.memory import apply_memory_options
+from mmssl.models.lit import init_image_tower
+from mmssl.models.lora import CLIP_TRAINABLE, LoraCheckpoint, clip_towers, enable_lora
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
     OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, create_model, resolve_model_name, text_padding_is_inert)
 from mmssl.models.teacher import tokenizer_signature
@@ -64,7 +66,7 @@ def _scalars_to_own_shape(module: torch.nn.Module, state_dict: dict, prefix: str
             state_dict[name] = state_dict[name].reshape(param.shape)
 
 
-class CLIP(pl.LightningModule):
+class CLIP(LoraCheckpoint, pl.LightningModule):
     """Contrastive image-text pretraining: CLIP, SigLIP, FLIP and LiT from one module.
 
     Args:
@@ -135,6 +137,13 @@ class CLIP(pl.LightningModule):
         distill_weights: weights of the terms ``contrastive``, ``logits`` (open_clip's
             ``DistillClipLoss``) and ``features`` (CLIP-KD feature distillation); default 1, 1, 0.
         distill_feature_loss: ``cosine`` or ``mse``, the feature-distillation distance.
+        image_tower_init: LiT from an MAE: a ViT checkpoint (mmssl MAE, a timm export of one, ...)
+            that fills a timm image tower (``mmssl.models.lit``); pair with ``lock_image``.
+        image_mean: per-channel normalisation mean (linked to the data module); ``None``: open_clip's
+            (OpenAI's). A tower pretrained elsewhere keeps its own: an mmssl MAE's is ImageNet's.
+        image_std: per-channel normalisation std, likewise.
+        lora: LoRA adapters ``{r, alpha, dropout, target_modules, towers, trainable}`` on the
+            towers of the ``pretrained`` model (``mmssl.models.lora``); ``None``: none.
     """
 
     def __init__(
@@ -171,6 +180,10 @@ class CLIP(pl.LightningModule):
         teacher_embed_dim: Optional[int] = None,
         distill_weights: Optional[dict[str, float]] = None,
         distill_feature_loss: str = "cosine",
+        image_tower_init: Optional[str] = None,
+        image_mean: Optional[tuple[float, float, float]] = None,
+        image_std: Optional[tuple[float, float, float]] = None,
+        lora: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer"])
@@ -185,14 +198,20 @@ class CLIP(pl.LightningModule):
                 f"got {unmasked_tune_steps}, {unmasked_tune_warmup_steps}, {unmasked_tune_lr_ratio}")
         name = resolve_model_name(model_name)
         init = self._init_kwargs(loss, init_logit_scale, init_logit_bias)
-        self.model = create_model(name, pretrained=pretrained, output_dict=True, **init)
+        norm = {k: tuple(v) for k, v in (("mean", image_mean), ("std", image_std)) if v is not None}
+        self.model = create_model(name, pretrained=pretrained, output_dict=True, **init,
+                                  **({"force_preprocess_cfg": norm} if norm else {}))
         bias = init.get("init_logit_bias")
         if pretrained is not None and bias is not None and not checkpoint_has(pretrained, "logit_bias"):
             # open_clip fills a missing bias with 0 (its issue 712); SigLiT from a CLIP file wants b.
             with torch.no_grad():
                 self.model.logit_bias.fill_(bias)
+        if image_tower_init:
+            init_image_tower(self.model, image_tower_init)
         lock_towers(self.model, LockOptions(lock_image, lock_image_unlocked_groups, lock_image_freeze_bn_stats,
                                             lock_text, lock_text_unlocked_layers, lock_text_freeze_layer_norm))
+        enable_lora(self, lora, clip_towers(self.model), {"pretrained": pretrained, "image_tower_init": image_tower_init},
+                    "pretrained", CLIP_TRAINABLE)
         if image_mask_ratio is None:
             vision_cfg = open_clip.get_model_config(name)["vision_cfg"]
             image_mask_ratio = float(vision_cfg.get("patch_dropout", 0.0))
@@ -410,6 +429,7 @@ class CLIP(pl.LightningModule):
         return loss
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)  # LoraCheckpoint: adapters only, and the base reference
         if self.distiller is not None:  # the teacher's file and checksum, never its weights
             checkpoint["teacher"] = self.distiller.provenance()
 

@@ -1,0 +1,54 @@
+"""The adaptation recipes through the real `mmssl fit`: a LoRA run's checkpoint and resume, and the
+Fashion-MNIST LiT config from an MAE run's checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmssl.cli import main
+from mmssl.models.clip import CLIP
+from mmssl.models.mae import MAE
+from tests.conftest import REPO
+from tests.tools.test_fashion_mnist import fashion_cwd, source  # noqa: F401  (fixtures)
+
+pytest.importorskip("peft")
+
+
+def test_lora_fit_saves_only_what_trains_and_resumes_on_its_base(tmp_path, tiny_demo, tiny_clip_json):
+    base = tmp_path / "base.pth"
+    torch.save(CLIP(model_name=tiny_clip_json).model.state_dict(), base)
+    common = [
+        "--config", str(REPO / "configs/demo/clip.yaml"), f"--model.init_args.model_name={tiny_clip_json}",
+        f"--model.init_args.pretrained={base}", "--model.init_args.lora={r: 2, alpha: 4}",
+        f"--data.init_args.demo_dir={tiny_demo.root}", "--data.init_args.batch_size=16",
+        "--data.init_args.num_workers=0", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path / 'runs'}",
+    ]
+    main(["fit", *common, "--trainer.max_steps=2"])
+    last = tmp_path / "runs/version_0/checkpoints/last.ckpt"
+    saved = torch.load(last, weights_only=True)
+    assert saved["lora_base"]["pretrained"]["path"] == str(base)
+    assert "model.logit_scale" in saved["state_dict"]
+    assert all("lora_" in k for k in saved["state_dict"] if k != "model.logit_scale"), sorted(saved["state_dict"])
+    main(["fit", *common, "--trainer.max_steps=3", f"--ckpt_path={last}"])
+    resumed = torch.load(tmp_path / "runs/version_1/checkpoints/last.ckpt", weights_only=True)  # a resume's folder
+    assert resumed["global_step"] == 3 and set(resumed["state_dict"]) == set(saved["state_dict"])
+
+
+def test_lit_mae_config_trains_the_text_tower_on_the_mae_run_checkpoint(fashion_cwd):  # noqa: F811
+    # An MAE of configs/fashion_mnist/mae_vit_patch4.yaml's sizes, where the LiT config looks for its run.
+    mae = MAE(image_size=28, patch_size=4, embed_dim=128, depth=4, num_heads=4, decoder_embed_dim=96,
+              decoder_depth=2, decoder_num_heads=4)
+    folder = fashion_cwd / "runs/fashion_mnist_mae/version_0/checkpoints"
+    folder.mkdir(parents=True)
+    torch.save({"state_dict": mae.state_dict(), "hyper_parameters": dict(mae.hparams)}, folder / "last.ckpt")
+    main(["fit", "--config", "configs/fashion_mnist/lit_mae.yaml", "--data.init_args.batch_size=4",
+          "--data.init_args.num_workers=0", "--trainer.max_steps=1", "--trainer.enable_progress_bar=false",
+          "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1", "--trainer.default_root_dir=runs/lit"])
+    lit = torch.load(fashion_cwd / "runs/lit/version_0/checkpoints/last.ckpt", weights_only=True)
+    trunk = {k[len("model.visual.trunk."):]: v for k, v in lit["state_dict"].items() if k.startswith("model.visual.trunk.")}
+    assert trunk and all(torch.equal(v, mae.state_dict()["encoder." + k]) for k, v in trunk.items())  # locked
+    assert lit["hyper_parameters"]["image_mean"] == [0.485, 0.456, 0.406]
+    logged = open(fashion_cwd / "runs/lit/version_0/metrics.csv").readline()
+    assert "val/zero_shot_top1" in logged
