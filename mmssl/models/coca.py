@@ -145,6 +145,13 @@ class CoCa(CLIP):
         )
         # CLIP's save_hyperparameters recorded its own arguments too; a checkpoint holds CoCa's only.
         self.save_hyperparameters(ignore=["optimizer", "loss", "init_logit_bias", "trim_text_padding"])
+        if pretrained is None:
+            # open_clip 3.3's MultimodalTransformer leaves its text_projection as torch.empty memory
+            # (zeros when fresh pages back it, else garbage: caption losses of 1e12 in a test); its
+            # init_parameters, which would set it, is never called and fails if called (it reads a
+            # `transformer` attribute the class lacks). Its intended value: normal, std width ** -0.5.
+            decoder = self.model.text_decoder
+            torch.nn.init.normal_(decoder.text_projection, std=decoder.width ** -0.5)
         self._tokenizer = built_tokenizer
         self.pad_id: int = int(self.model.pad_id)
         self.loss = GatheredCoCaLoss(caption_loss_weight=caption_loss_weight, clip_loss_weight=clip_loss_weight,
