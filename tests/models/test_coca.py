@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lightning.pytorch as pl
 import open_clip
 import pytest
 import torch
@@ -23,7 +24,8 @@ from mmssl.models import generation
 from mmssl.models.coca import CoCa
 
 WORLD = 2
-REPO_CLIP = Path(__file__).resolve().parents[2] / "configs" / "models" / "clip_micro.json"
+REPO = Path(__file__).resolve().parents[2]
+REPO_CLIP = REPO / "configs" / "models" / "clip_micro.json"
 # Rank 0 gets the short captions, rank 1 the long ones: 4 + 4 samples, 16 vs 36 label tokens, so
 # a plain mean over ranks of the per-rank token means would differ from the global token mean.
 CAPTIONS = ["red", "a star", "blue", "a cross",
@@ -187,3 +189,37 @@ def test_a_tokenizer_that_cannot_be_built_stops_the_run_before_training(tmp_path
     assert not (tmp_path / "version_0" / "checkpoints").exists()
     with pytest.raises(ValueError, match="no CoCa config.*mmssl.models.clip.CLIP"):
         CoCa(str(REPO_CLIP))
+
+
+class StopAtStep(pl.Callback):
+    """End the fit cleanly once ``global_step`` reaches ``step`` (its checkpoint written), as a preempted run."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def test_a_stopped_run_resumes_to_the_uninterrupted_weights(tmp_path, tiny_demo, tiny_coca_json):
+    """FLIP masks (the torch RNG), shuffled shards and a validation before the stop all cross the resume."""
+    from mmssl.cli import main
+
+    def args(root, *extra):
+        return ["fit", "--config", str(REPO / "configs/demo/coca.yaml"), f"--model.init_args.model_name={tiny_coca_json}",
+                "--model.init_args.image_mask_ratio=0.5", f"--data.init_args.demo_dir={tiny_demo.root}",
+                "--data.init_args.batch_size=8", "--data.init_args.num_workers=0", "--trainer.max_steps=5",
+                "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false",
+                f"--trainer.default_root_dir={root}", "--trainer.callbacks+=ModelCheckpoint",
+                "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_last=true",
+                "--trainer.callbacks+=tests.helpers.DumpParams", f"--trainer.callbacks.folder={root}/params", *extra]
+
+    main(args(tmp_path / "reference"))
+    main(args(tmp_path / "resumed", "--trainer.callbacks+=tests.models.test_coca.StopAtStep",
+              "--trainer.callbacks.step=3"))
+    main(args(tmp_path / "resumed", "--ckpt_path=last"))
+    want = torch.load(tmp_path / "reference" / "params" / "rank0.pt", weights_only=True)
+    got = torch.load(tmp_path / "resumed" / "params" / "rank0.pt", weights_only=True)
+    assert got.keys() == want.keys()
+    assert not [k for k in want if not torch.equal(got[k], want[k])]
