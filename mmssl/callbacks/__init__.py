@@ -1,5 +1,6 @@
 """Evaluation and reporting callbacks, composed onto any model through YAML."""
 
+from mmssl.callbacks.captions import CaptionNaming
 from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.knn import KNNProbe
 from mmssl.callbacks.linear_probe import LinearProbe
@@ -11,4 +12,4 @@ from mmssl.callbacks.summary import RunSummary
 from mmssl.callbacks.throughput import Throughput
 from mmssl.callbacks.zero_shot import ZeroShot
 
-__all__ = ["EmbeddingProjector", "EvaluationBufferSync", "KNNProbe", "LinearProbe", "LogStepOnResume", "NonFiniteGuard", "Reconstructions", "RNGState", "RunSummary", "Throughput", "ZeroShot"]
+__all__ = ["CaptionNaming", "EmbeddingProjector", "EvaluationBufferSync", "KNNProbe", "LinearProbe", "LogStepOnResume", "NonFiniteGuard", "Reconstructions", "RNGState", "RunSummary", "Throughput", "ZeroShot"]

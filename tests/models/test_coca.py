@@ -223,3 +223,16 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_weights(tmp_path, tiny_demo,
     got = torch.load(tmp_path / "resumed" / "params" / "rank0.pt", weights_only=True)
     assert got.keys() == want.keys()
     assert not [k for k in want if not torch.equal(got[k], want[k])]
+
+
+def test_caption_naming_counts_every_labelled_image(tiny_demo, tiny_coca_json):
+    from mmssl.data.labeled import labeled_loader
+    from mmssl.data.transforms import eval_transform
+    from mmssl.evaluation.captions import caption_naming_evaluate
+
+    model = _model(tiny_coca_json)
+    batches = labeled_loader(tiny_demo.eval_dir, eval_transform(32, model.image_mean, model.image_std), 16, limit=20)
+    out = caption_naming_evaluate(model, batches, tiny_demo.classnames, torch.device("cpu"),
+                                  generation_type="top_k", top_k=1, seq_len=6)
+    assert out["num_samples"] == 20 and 0.0 <= float(out["names_class"]) <= 1.0
+    assert model.training  # left as it was
