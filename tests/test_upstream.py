@@ -234,6 +234,7 @@ def test_open_clip_coca_samples_once_its_transformers_globals_are_set(tiny_coca_
     upstream.open_clip_coca_sampling()  # idempotent
     open_clip.add_model_config(tiny_coca_json)
     model = open_clip.create_model("coca_test_tiny").eval()
+    torch.nn.init.normal_(model.text_decoder.text_projection, std=0.25)  # open_clip leaves it torch.empty
     ids = model.generate(torch.randn(2, 3, 32, 32), generation_type="top_p", top_p=0.9, seq_len=8, min_seq_len=3)
     assert ids.shape[0] == 2 and 2 <= ids.shape[1] <= 8 and (ids[:, 0] == 49406).all(), _changed(
         "open_clip", "CoCa.generate's sampling loop", f"it returned {tuple(ids.shape)} ids")
