@@ -203,22 +203,29 @@ class StopAtStep(pl.Callback):
 
 
 def test_a_stopped_run_resumes_to_the_uninterrupted_weights(tmp_path, tiny_demo, tiny_coca_json):
-    """FLIP masks (the torch RNG), shuffled shards and a validation before the stop all cross the resume."""
+    """FLIP masks (the torch RNG), the shard stream and a validation before the stop all cross the resume."""
+    import yaml
+
     from mmssl.cli import main
 
-    def args(root, *extra):
-        return ["fit", "--config", str(REPO / "configs/demo/coca.yaml"), f"--model.init_args.model_name={tiny_coca_json}",
-                "--model.init_args.image_mask_ratio=0.5", f"--data.init_args.demo_dir={tiny_demo.root}",
-                "--data.init_args.batch_size=8", "--data.init_args.num_workers=0", "--trainer.max_steps=5",
-                "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false",
-                f"--trainer.default_root_dir={root}", "--trainer.callbacks+=ModelCheckpoint",
-                "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_last=true",
-                "--trainer.callbacks+=tests.helpers.DumpParams", f"--trainer.callbacks.folder={root}/params", *extra]
+    def args(root, *callbacks):
+        overrides = {
+            "trainer": {"max_steps": 5, "val_check_interval": 2, "enable_progress_bar": False,
+                        "default_root_dir": str(root), "callbacks": [
+                            {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                             "init_args": {"every_n_train_steps": 1, "save_last": True, "save_top_k": 0}},
+                            {"class_path": "tests.helpers.DumpParams", "init_args": {"folder": str(root / "params")}},
+                            *callbacks]},
+            "model": {"init_args": {"model_name": tiny_coca_json, "image_mask_ratio": 0.5, "warmup_steps": 2}},
+            "data": {"init_args": {"demo_dir": tiny_demo.root, "batch_size": 8, "num_workers": 0}},
+        }
+        path = tmp_path / f"{root.name}{len(callbacks)}.yaml"
+        path.write_text(yaml.safe_dump(overrides))
+        return ["fit", "--config", str(REPO / "configs/demo/coca.yaml"), "--config", str(path)]
 
     main(args(tmp_path / "reference"))
-    main(args(tmp_path / "resumed", "--trainer.callbacks+=tests.models.test_coca.StopAtStep",
-              "--trainer.callbacks.step=3"))
-    main(args(tmp_path / "resumed", "--ckpt_path=last"))
+    main(args(tmp_path / "resumed", {"class_path": "tests.models.test_coca.StopAtStep", "init_args": {"step": 3}}))
+    main([*args(tmp_path / "resumed"), "--ckpt_path=last"])
     want = torch.load(tmp_path / "reference" / "params" / "rank0.pt", weights_only=True)
     got = torch.load(tmp_path / "resumed" / "params" / "rank0.pt", weights_only=True)
     assert got.keys() == want.keys()
