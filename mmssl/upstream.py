@@ -205,6 +205,30 @@ def open_clip_encode_text_prefix(model: nn.Module, tokens: Tensor, normalize: bo
     return F.normalize(x, dim=-1) if normalize else x
 
 
+def open_clip_coca_sampling() -> None:
+    """Let open_clip's ``CoCa.generate`` sample (``top_k`` / ``top_p``) under transformers 5.
+
+    open_clip 3.3's ``coca_model`` imports its logits processors and stopping criteria from
+    transformers in one ``try`` together with ``BeamSearchScorer``, which transformers 5 removed;
+    the whole import then fails, ``_has_transformers`` is False and ``generate`` refuses every
+    generation type, though only beam search needs the removed class. Assumes those module globals
+    (``_has_transformers``, ``GENERATION_TYPES`` and the names the sampling loop reads); sets them
+    from transformers' still-public classes. Beam search stays with mmssl's own
+    (:func:`mmssl.models.generation.beam_search`). No public switch exists. Idempotent.
+    """
+    from open_clip import coca_model
+
+    if coca_model._has_transformers:
+        return
+    import transformers
+
+    for name in ("LogitsProcessorList", "TopPLogitsWarper", "TopKLogitsWarper", "RepetitionPenaltyLogitsProcessor",
+                 "MinLengthLogitsProcessor", "MaxLengthCriteria", "StoppingCriteriaList"):
+        setattr(coca_model, name, getattr(transformers, name))
+    coca_model.GENERATION_TYPES.update(top_k=transformers.TopKLogitsWarper, top_p=transformers.TopPLogitsWarper)
+    coca_model._has_transformers = True
+
+
 # timm --------------------------------------------------------------------------------------------
 
 

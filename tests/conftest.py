@@ -39,3 +39,25 @@ def tiny_clip_json(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("models") / "clip_test_tiny.json"
     path.write_text(json.dumps(TINY_CLIP))
     return str(path)
+
+
+# A CoCa of the same scale: open_clip's CoCa towers (attentional pooling, a class token on the
+# text tower) and a one-layer multimodal decoder; embed_dim = text width = decoder width, as CoCa needs.
+TINY_COCA = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8,
+                   "attentional_pool": True, "attn_pooler_queries": 4, "attn_pooler_heads": 2, "output_tokens": True},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1,
+                 "embed_cls": True, "output_tokens": True},
+    "multimodal_cfg": {"context_length": 16, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1,
+                       "attn_pooler_heads": 2},
+    "custom_text": True,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_coca_json(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Path of a JSON open_clip CoCa config (~1.6M parameters, nearly all the two token tables)."""
+    path = tmp_path_factory.mktemp("models") / "coca_test_tiny.json"
+    path.write_text(json.dumps(TINY_COCA))
+    return str(path)

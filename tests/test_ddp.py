@@ -23,7 +23,7 @@ DDP = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT]
 
 
 def _common(recipe: str, tmp_path, demo, clip_json: str, val_data: str) -> list[str]:
-    model = [f"--model.init_args.model_name={clip_json}"] if recipe == "clip" else TINY_MAE
+    model = [f"--model.init_args.model_name={clip_json}"] if recipe in ("clip", "coca") else TINY_MAE
     return [
         "fit", "--config", str(REPO / f"configs/demo/{recipe}.yaml"), *model,
         f"--data.init_args.demo_dir={demo.root}", f"--data.init_args.val_data={val_data}",
@@ -66,13 +66,16 @@ CALLBACKS = {
             "--trainer.callbacks+=mmssl.callbacks.KNNProbe",
             "--trainer.callbacks+=mmssl.callbacks.Reconstructions", "--trainer.callbacks.every_n_steps=1",
             "--trainer.callbacks.num_images=2"],
+    "coca": ["--trainer.callbacks+=mmssl.callbacks.CaptionNaming", "--trainer.callbacks.max_samples=12",
+             "--trainer.callbacks.seq_len=6"],
 }
 
 
-@pytest.mark.parametrize("recipe, val", [("clip", "uneven"), ("mae", "one")])
-def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, tiny_clip_json):
+@pytest.mark.parametrize("recipe, val", [("clip", "uneven"), ("mae", "one"), ("coca", "uneven")])
+def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, tiny_clip_json, tiny_coca_json):
     """val/loss, retrieval, zero-shot, linear (per block) and k-NN probes, and the demo configs'
-    label-free health figures (EmbeddingHealth): 2 ranks = 1 process.
+    label-free health figures (EmbeddingHealth): 2 ranks = 1 process; CoCa's captioning figures
+    (token-weighted, so the ranks' different caption lengths cancel) too.
 
     The learning rate is 0, so both runs validate the same weights; validation shards hold
     whole batches (16 samples, batch 4), so CLIP's in-batch loss sees the same batches too.
@@ -81,22 +84,27 @@ def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, 
     for processes in (1, 2):
         folder = tmp_path / f"p{processes}"
         folder.mkdir()
-        lr = ("--model.init_args.optimizer.init_args.lr=0.0" if recipe == "clip" else "--model.init_args.blr=0.0")
+        lr = ("--model.init_args.blr=0.0" if recipe == "mae" else "--model.init_args.optimizer.init_args.lr=0.0")
+        model_json = tiny_coca_json if recipe == "coca" else tiny_clip_json
         args = [
-            *_common(recipe, folder, tiny_demo, tiny_clip_json, _val_shards(tiny_demo, val)),
+            *_common(recipe, folder, tiny_demo, model_json, _val_shards(tiny_demo, val)),
             *(DDP if processes == 2 else []), lr, "--data.init_args.num_workers=2",
             "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", *CALLBACKS[recipe],
         ]
+        if recipe == "coca":  # its demo validates by steps; here at the epoch's end, as the others
+            args += ["--trainer.max_steps=-1", "--trainer.val_check_interval=1.0", "--trainer.check_val_every_n_epoch=1"]
         out = run_mmssl(args, folder) if processes == 2 else run_one_process(args)
         assert out.returncode == 0, out.stdout[-3000:]
         # The callbacks' figures are reduced over ranks and logged as such: no Lightning advice.
         assert "sync_dist=True" not in out.stdout, out.stdout[-3000:]
         figures.append(last_metrics(folder / "runs" / "version_0", ("val/", "probe/", "health/")))
     one, two = figures
-    expected = {"val/loss", "probe/linear_top1", "probe/linear_top1_block1", "probe/knn_top1",
-                "health/rankme", "health/alignment", "health/uniformity"}
+    expected = {"val/loss", "health/rankme", "health/alignment", "health/uniformity"}
+    expected |= {"probe/linear_top1", "probe/linear_top1_block1", "probe/knn_top1"} if recipe != "coca" else set()
     expected |= {"val/zero_shot_top1", "val/i2t_R@1", "val/t2i_R@10", "health/modality_gap",
-                 "health/logit_scale"} if recipe == "clip" else set()
+                 "health/logit_scale"} if recipe != "mae" else set()
+    expected |= {"val/caption_loss", "val/caption_token_top1", "val/contrastive_loss",
+                 "val/caption_names_class"} if recipe == "coca" else set()
     assert expected <= one.keys() and one.keys() == two.keys()
     for key in one:
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-5), key

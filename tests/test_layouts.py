@@ -34,12 +34,14 @@ def _save(module: torch.nn.Module, path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tiny_clip_json) -> dict[str, tuple[torch.nn.Module, Path]]:
+def checkpoints(tmp_path_factory, tiny_clip_json, tiny_coca_json) -> dict[str, tuple[torch.nn.Module, Path]]:
     """A checkpoint of each kind of the table, recording no class (the weights tell the kind)."""
     from mmssl.models.clip import CLIP
+    from mmssl.models.coca import CoCa
 
     folder = tmp_path_factory.mktemp("kinds")
-    modules = {"MAE": MAE(**TINY_MAE), "CLIP": CLIP(tiny_clip_json), "ImageClassifier": ImageClassifier(**TINY_VIT)}
+    modules = {"MAE": MAE(**TINY_MAE), "CLIP": CLIP(tiny_clip_json), "ImageClassifier": ImageClassifier(**TINY_VIT),
+               "CoCa": CoCa(tiny_coca_json)}
     return {name: (m.eval(), _save(m, folder / f"{name}.ckpt")) for name, m in modules.items()}
 
 

@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 import lightning.pytorch as pl
+import open_clip
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
@@ -222,6 +223,21 @@ def test_open_clip_text_prefix_equals_encode_text():
     assert torch.allclose(mine, full, atol=1e-6), _changed(
         "open_clip", "CLIP.encode_text", "mmssl.upstream.open_clip_encode_text_prefix, a copy of its body for a "
         f"batch shorter than context_length, now differs from it (max difference {(mine - full).abs().max():.2e})")
+
+
+def test_open_clip_coca_samples_once_its_transformers_globals_are_set(tiny_coca_json):
+    from open_clip import coca_model
+
+    assert hasattr(coca_model, "_has_transformers") and isinstance(coca_model.GENERATION_TYPES, dict), _changed(
+        "open_clip", "coca_model._has_transformers / GENERATION_TYPES", "the module globals generate() checks are gone")
+    upstream.open_clip_coca_sampling()
+    upstream.open_clip_coca_sampling()  # idempotent
+    open_clip.add_model_config(tiny_coca_json)
+    model = open_clip.create_model("coca_test_tiny").eval()
+    torch.nn.init.normal_(model.text_decoder.text_projection, std=0.25)  # open_clip leaves it torch.empty
+    ids = model.generate(torch.randn(2, 3, 32, 32), generation_type="top_p", top_p=0.9, seq_len=8, min_seq_len=3)
+    assert ids.shape[0] == 2 and 2 <= ids.shape[1] <= 8 and (ids[:, 0] == 49406).all(), _changed(
+        "open_clip", "CoCa.generate's sampling loop", f"it returned {tuple(ids.shape)} ids")
 
 
 # timm --------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Evaluation and reporting callbacks, composed onto any model through YAML."""
 
+from mmssl.callbacks.captions import CaptionNaming
 from mmssl.callbacks.ema import EMA
 from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.health import EmbeddingHealth
@@ -13,4 +14,4 @@ from mmssl.callbacks.summary import RunSummary
 from mmssl.callbacks.throughput import Throughput
 from mmssl.callbacks.zero_shot import ZeroShot
 
-__all__ = ["EMA", "EmbeddingHealth", "EmbeddingProjector", "EvaluationBufferSync", "KNNProbe", "LinearProbe", "LogStepOnResume", "NonFiniteGuard", "Reconstructions", "RNGState", "RunSummary", "Throughput", "ZeroShot"]
+__all__ = ["CaptionNaming", "EMA", "EmbeddingHealth", "EmbeddingProjector", "EvaluationBufferSync", "KNNProbe", "LinearProbe", "LogStepOnResume", "NonFiniteGuard", "Reconstructions", "RNGState", "RunSummary", "Throughput", "ZeroShot"]

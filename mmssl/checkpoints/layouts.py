@@ -11,6 +11,7 @@ Layouts (a Lightning checkpoint's ``state_dict``):
 * ``MAE``: ``encoder.*`` (``MaskedViT``, timm's ViT names) and ``decoder.*``.
 * ``CLIP``: ``model.*``, the open_clip model (``model.logit_scale``); a timm image tower under
   ``model.visual.trunk.*``.
+* ``CoCa``: ``model.*``, the open_clip ``CoCa`` (CLIP's layout plus ``model.text_decoder.*``).
 * ``ImageClassifier``: ``model.*``, the timm ViT with its head (``model.head.weight``).
 """
 
@@ -106,6 +107,9 @@ def _is_mae(keys: Collection[str]) -> bool:
 # The one table of model kinds. A new LightningModule adds its row (and a test in tests/test_layouts.py).
 KINDS: tuple[ModelKind, ...] = (
     ModelKind("MAE", "mmssl.models.mae.MAE", _is_mae, ("timm",), mae_to_timm),
+    # Before CLIP, whose detection (model.logit_scale) a CoCa's weights also pass.
+    ModelKind("CoCa", "mmssl.models.coca.CoCa", lambda keys: any(k.startswith("model.text_decoder.") for k in keys),
+              ("open_clip",), clip_timm_trunk),
     ModelKind("CLIP", "mmssl.models.clip.CLIP", lambda keys: "model.logit_scale" in keys,
               ("open_clip", "open_clip_hf", "hf"), clip_timm_trunk),
     ModelKind("ImageClassifier", "mmssl.models.classifier.ImageClassifier",
