@@ -47,9 +47,10 @@ def _shards(split: Path) -> list[Path]:
     return [split / f"{i}.tar" for i in range(n)]
 
 
-def make_layout(root: Path, work: Path, train_shards: Optional[int], val_shards: int, test_split: str) -> str:
+def make_layout(root: Path, work: Path, train_shards: Optional[int], val_shards: int, test_split: Optional[str]) -> str:
     """The comparison layout of one set (see the module docstring); returns its name."""
     name = root.name
+    test_split = test_split or ("test" if (root / "test").is_dir() else "val")
     train = _shards(root / "train")[: train_shards or None]
     if len(train) <= val_shards:
         raise ValueError(f"{root}/train: {len(train)} shards, need more than --val-shards {val_shards}")
@@ -129,7 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="mmssl CLIP checkpoint, or an open_clip_hf export folder")
     p.add_argument("--data", nargs="+", required=True, help="clip_benchmark wds/ roots with train/ and a test split")
-    p.add_argument("--test-split", default="test", help="the scored split of every root (the demo's: val)")
+    p.add_argument("--test-split", help="the scored split of every root (default: test, else val as the demo's)")
     p.add_argument("--train-shards", type=int, help="use the first N training shards only")
     p.add_argument("--val-shards", type=int, default=1, help="training shards held out for the lambda search")
     p.add_argument("--cb-python", required=True, help="python of the venv with clip-benchmark==1.6.2")

@@ -12,7 +12,7 @@ named with CLIP_benchmark's metric keys, and the protocol's own settings.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -65,14 +65,43 @@ def _accuracy(model: torch.nn.Module, x: Tensor, y: Tensor) -> float:
         return float((model(x).argmax(dim=1) == y).float().mean())
 
 
+def parametric_search(score: Callable[[int], float], size: int = len(CLIP_LAMBDAS), start_step: int = 16) -> int:
+    """CLIP appendix A.3's parametric binary search over a grid of ``size`` points.
+
+    The best of every ``start_step``-th point (7 of the 97 lambdas: 10^-6, 10^-4, ..., 10^6) is
+    the peak; then, with a span of 8, 4, 2, 1 grid steps, the best of the peak's left neighbour,
+    the peak and its right neighbour at that span. Ties keep the first in that order, as
+    CLIP_benchmark's ``find_peak``; each point is scored at most once by the caller's cache.
+
+    Args:
+        score: grid index -> held-out accuracy.
+        size: grid points.
+        start_step: spacing of the starting points.
+
+    Returns:
+        The index of the chosen point.
+    """
+    def best(candidates: Sequence[int]) -> int:
+        top = candidates[0]
+        for i in candidates[1:]:
+            if score(i) > score(top):
+                top = i
+        return top
+
+    peak = best(list(range(0, size, start_step)))
+    span = start_step // 2
+    while span > 0:
+        peak = best([max(peak - span, 0), peak, min(peak + span, size - 1)])
+        span //= 2
+    return peak
+
+
 def clip_lambda_search(train: Tensor, train_labels: Tensor, val: Tensor, val_labels: Tensor, num_classes: int,
                        max_iter: int = CLIP_MAX_ITER) -> tuple[float, dict[float, float]]:
-    """CLIP appendix A.3's parametric binary search of the L2 strength on a held-out split.
+    """The L2 strength of CLIP's linear probe, by :func:`parametric_search` on a held-out split.
 
     lambda is scikit-learn's ``1 / C`` (summed loss + lambda/2 ||W||^2), i.e. ``weight_decay =
-    lambda / N`` of :func:`mmssl.evaluation.linear.fit_logistic`'s mean loss. The first best of the
-    7 starting points is the peak; then, with a span of 8, 4, 2, 1 grid steps, the best of the
-    peak and its two neighbours at that span (ties keep the earlier, as CLIP_benchmark's search).
+    lambda / N`` of :func:`mmssl.evaluation.linear.fit_logistic`'s mean loss.
 
     Returns:
         The chosen lambda and the held-out accuracy of every lambda tried.
@@ -87,18 +116,7 @@ def clip_lambda_search(train: Tensor, train_labels: Tensor, val: Tensor, val_lab
             scores[i] = _accuracy(fit, val, val_labels)
         return scores[i]
 
-    def best(candidates: Sequence[int]) -> int:
-        top = candidates[0]
-        for i in candidates:
-            if score(i) > score(top):
-                top = i
-        return top
-
-    peak = best(list(range(0, len(CLIP_LAMBDAS), 16)))
-    span = 8
-    while span > 0:
-        peak = best([max(peak - span, 0), peak, min(peak + span, len(CLIP_LAMBDAS) - 1)])
-        span //= 2
+    peak = parametric_search(score)
     return CLIP_LAMBDAS[peak], {CLIP_LAMBDAS[i]: s for i, s in sorted(scores.items())}
 
 
@@ -148,6 +166,14 @@ def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels:
     return classification_figures(logits, test_labels, num_classes, "lp_"), settings
 
 
+def _rank(scores: Tensor, target: Tensor) -> Tensor:
+    """(b, N) scores, (b,) one candidate each -> (b,) how many candidates rank before it: higher
+    scores, and equal scores at a lower index (a stable sort's order; captions repeat, so ties occur)."""
+    own = scores.gather(1, target[:, None])  # (b, 1)
+    before = torch.arange(scores.shape[1])[None, :] < target[:, None]  # (b, N)
+    return ((scores > own) | ((scores == own) & before)).sum(dim=1)
+
+
 def retrieval(image: Tensor, text: Tensor, text_image: Tensor, recall_k: Sequence[int]) -> dict[str, Figure]:
     """Image-text retrieval recall@k, units the images (each with its captions).
 
@@ -173,14 +199,14 @@ def retrieval(image: Tensor, text: Tensor, text_image: Tensor, recall_k: Sequenc
     for start in range(0, text.shape[0], block):  # caption queries -> images
         scores = text[start:start + block].float() @ image.float().T  # (b, N)
         target = text_image[start:start + block]
-        rank = (scores > scores.gather(1, target[:, None])).sum(dim=1)  # (b,) 0 = first
+        rank = _rank(scores, target)  # (b,) 0 = first
         for i, k in enumerate(ks):
             image_hits[i].index_add_(0, target, (rank < k).float())
     for start in range(0, n, block):  # image queries -> captions
         scores = image[start:start + block].float() @ text.float().T  # (b, M)
         own = text_image[None, :] == torch.arange(start, min(start + block, n))[:, None]  # (b, M)
-        best = scores.masked_fill(~own, -math.inf).max(dim=1).values  # (b,) the best own caption
-        rank = (scores > best[:, None]).sum(dim=1)
+        best = scores.masked_fill(~own, -math.inf).argmax(dim=1)  # (b,) the best own caption, first on ties
+        rank = _rank(scores, best)
         for i, k in enumerate(ks):
             text_hits[i, start:start + block] = (rank < k).float()
     has_caption = (captions > 0).float()

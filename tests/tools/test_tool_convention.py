@@ -22,6 +22,7 @@ MISSING = "no_such_input"  # below tmp_path: a file or folder that does not exis
 CASES = {
     "attention_maps": ["--ckpt", MISSING, "--images", "a.png", "--output", "out"],
     "benchmark": ["--config", MISSING, "--steps", "1"],
+    "evaluate": ["--ckpt", "a.ckpt", "--suite", MISSING, "--output", "out"],
     "export": ["--ckpt", MISSING, "--format", "timm", "--output", "out.pth"],
     "fashion_mnist": ["--data", MISSING, "--output", "out"],
     "inspect_shards": ["--data", MISSING],
