@@ -171,10 +171,6 @@ def test_evaluate_writes_clip_benchmark_json_csv_and_table_encoding_each_image_o
     assert len(rows) == 2 + 2 * 2 + 2 * 2 + 5 and rows[0]["skipped"] == "2"  # 4 classes: no acc5
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["suite_average"]) == 6 and "| shapes | zero_shot | clip | acc1 |" in (out / "results.md").read_text()
-    again = tmp_path / "again"
-    assert main([*argv[:-3], str(again), "--batch-size", "16"]) == 0  # seeded: the same figures and intervals
-    assert json.loads((again / "shapes_knn_dino.json").read_text())["ci95"] == json.loads(
-        (out / "shapes_knn_dino.json").read_text())["ci95"]
     assert main(argv) == 1  # an earlier run's results are not overwritten without --overwrite
 
 
