@@ -255,6 +255,13 @@ def _decode_labeled(sample: dict, transform: Callable, image_keys: Sequence[str]
     return transform(image), label
 
 
+def _captions(sample: dict) -> list[str]:
+    """A sample's captions: the lines of its ``txt`` (clip_benchmark's retrieval sets), none without one."""
+    raw = sample.get("txt", b"")
+    text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw)
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
 class LabeledShards(IterableDataset):
     """One rank's shards of a labelled set as batches ``{"image", "label", "index", "skipped"}``.
 
@@ -273,14 +280,16 @@ class LabeledShards(IterableDataset):
         image_keys: extensions holding the image.
         batch_size: samples per batch.
         max_pixels: largest image decoded (width x height from its header); larger ones are bad.
+        captions: batches also carry ``"captions"``, each sample's ``txt`` lines (retrieval).
     """
 
     def __init__(self, urls: Sequence[str], shards: Sequence[int], take: Optional[Sequence[int]],
                  transform: Callable, image_keys: Sequence[str], batch_size: int,
-                 max_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS) -> None:
+                 max_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS, captions: bool = False) -> None:
         self.urls, self.shards, self.take = list(urls), list(shards), take
         self.transform, self.image_keys, self.batch_size = transform, list(image_keys), batch_size
         self.max_pixels = max_pixels
+        self.captions = captions
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
@@ -304,7 +313,7 @@ class LabeledShards(IterableDataset):
                     skipped += 1
                     log.warning(f"labelled set: skipped sample {sample.get('__key__')!r} in {url}: {exn}")
                     continue
-                rows.append((image, label, (shard << 32) + offset))
+                rows.append((image, label, (shard << 32) + offset, *([_captions(sample)] if self.captions else [])))
                 if len(rows) == self.batch_size:
                     yield _labeled_batch(rows, skipped)
                     rows, skipped = [], 0
@@ -312,10 +321,13 @@ class LabeledShards(IterableDataset):
             yield _labeled_batch(rows, skipped)
 
 
-def _labeled_batch(rows: list[tuple[Any, int, int]], skipped: int) -> dict[str, Any]:
+def _labeled_batch(rows: list[tuple[Any, ...]], skipped: int) -> dict[str, Any]:
     images = torch.stack([r[0] for r in rows]) if rows else torch.zeros(0)
-    return {"image": images, "label": torch.tensor([r[1] for r in rows], dtype=torch.long),
-            "index": torch.tensor([r[2] for r in rows], dtype=torch.long), "skipped": skipped}
+    batch = {"image": images, "label": torch.tensor([r[1] for r in rows], dtype=torch.long),
+             "index": torch.tensor([r[2] for r in rows], dtype=torch.long), "skipped": skipped}
+    if rows and len(rows[0]) > 3:  # (image, label, index, captions)
+        batch["captions"] = [r[3] for r in rows]
+    return batch
 
 
 def _collate_folder(batch: list) -> dict:
@@ -359,6 +371,7 @@ def labeled_loader(
     image_key: str = "jpg;jpeg;png;webp",
     limit: Optional[int] = None,
     max_image_pixels: Optional[int] = DEFAULT_MAX_IMAGE_PIXELS,
+    captions: bool = False,
 ) -> DataLoader:
     """Batches of this rank's part of a labelled set.
 
@@ -379,6 +392,8 @@ def labeled_loader(
         limit: read only the first ``limit`` samples of the whole set (in shard order, sizes
             from ``sizes.json`` or counted), so the subset is the same on any number of ranks.
         max_image_pixels: an image whose header claims more pixels is skipped, never decoded.
+        captions: shard batches also carry ``"captions"`` (each sample's ``txt`` lines); an image
+            folder has none, and is refused.
 
     Returns:
         A finite, unshuffled loader.
@@ -386,6 +401,8 @@ def labeled_loader(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside world size {world_size}")
     if is_image_folder(data):
+        if captions:
+            raise ValueError(f"labelled set {data!r} is an image folder: it has no captions for retrieval")
         dataset = LabeledFolder(data, transform, max_image_pixels)
         indices = range(rank, min(len(dataset), limit or len(dataset)), world_size)
         return DataLoader(_Indexed(dataset, indices), batch_size=batch_size, num_workers=num_workers,
@@ -403,6 +420,6 @@ def labeled_loader(
     # Explicit shard split (not wds.split_by_node): the offline tools have no process group, and
     # rank/world come from the trainer, so the split is the same whatever launched the job.
     mine = [i for i in range(rank, len(urls), world_size) if take is None or take[i] > 0]
-    dataset = LabeledShards(urls, mine, take, transform, image_key.split(";"), batch_size, max_image_pixels)
+    dataset = LabeledShards(urls, mine, take, transform, image_key.split(";"), batch_size, max_image_pixels, captions)
     # A rank with no shard gets an empty loader; workers would only warn about it.
     return DataLoader(dataset, batch_size=None, num_workers=min(num_workers, len(mine)))

@@ -1,10 +1,13 @@
-"""Load anything users want to probe: our Lightning checkpoints, timm and open_clip state dicts.
+"""Load anything users want to probe: our Lightning checkpoints, timm and open_clip state dicts, and
+the export folders (open_clip hub, timm hub, transformers ``CLIPModel``).
 
 Every loader returns a module with the probe protocol (``mmssl.evaluation.features``) and
 ``image_size`` / ``image_mean`` / ``image_std`` for the eval transform; CLIP-like ones also have
 ``encode_text`` and ``tokenizer`` for zero-shot. Lightning checkpoints are built as one of the kinds
 of the one table (:mod:`mmssl.checkpoints.load`): ``MAE``, ``CLIP``, and the fine-tuned
 ``ImageClassifier`` (its ViT without the head: ``encode_image`` is the pooled pre-logits feature).
+Export folders (:func:`load_encoder`) are built from their config and their weights read through
+:func:`mmssl.checkpoints.read_state_dict`, never by the library's own loader.
 """
 
 from __future__ import annotations
@@ -16,13 +19,17 @@ from typing import Optional
 
 import open_clip
 import timm
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmssl.checkpoints import read_state_dict
 from mmssl.checkpoints.load import load_lightning, model_class_names
+from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD
 from mmssl.models.classifier import vit_block_features, vit_probe_tokens
 
-__all__ = ["TimmEncoder", "add_checkpoint_arguments", "add_ema_argument", "is_open_clip_name", "load_lightning", "load_model",
+__all__ = ["HFClipEncoder", "OpenClipEncoder", "TimmEncoder", "add_checkpoint_arguments", "add_ema_argument",
+           "export_format", "load_encoder", "is_open_clip_name", "load_lightning", "load_model",
            "load_state_dict_model", "model_class_names"]
 
 
@@ -56,7 +63,7 @@ class TimmEncoder(nn.Module):
 
 
 def add_checkpoint_arguments(parser: argparse.ArgumentParser, state_dict_models: str = "timm name, open_clip name or .json",
-                             model_kwargs: bool = True) -> None:
+                             model_kwargs: bool = True, ckpt_required: bool = True) -> None:
     """The tools' checkpoint arguments: ``--ckpt``, ``--model``, ``--model-kwargs``, ``--model-class``
     and ``--ema`` (the arguments of :func:`load_model`).
 
@@ -64,8 +71,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser, state_dict_models:
         parser: the tool's parser.
         state_dict_models: what ``--model`` may name, for its help.
         model_kwargs: add ``--model-kwargs`` (timm models only).
+        ckpt_required: ``--ckpt`` must be given (a tool with another way in says so itself).
     """
-    parser.add_argument("--ckpt", required=True, help="Lightning .ckpt, or a state dict with --model")
+    parser.add_argument("--ckpt", required=ckpt_required, help="Lightning .ckpt, a state dict with --model, or an export folder")
     parser.add_argument("--model", help=f"architecture of a state-dict file: {state_dict_models}")
     if model_kwargs:
         parser.add_argument("--model-kwargs", type=json.loads, default=None, help="JSON dict for timm.create_model")
@@ -143,3 +151,144 @@ def load_model(
                              f"dict (--model {model}), which holds one set of weights")
         return load_state_dict_model(path, model, model_kwargs)
     return load_lightning(path, model_class, ema)
+
+
+class OpenClipEncoder(nn.Module):
+    """An open_clip model from a hub folder (``--format open_clip_hf``) behind the probe protocol.
+
+    Args:
+        model: the open_clip ``CLIP``, weights loaded.
+        tokenizer: open_clip's tokenizer for its config.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer) -> None:
+        super().__init__()
+        self.model, self.tokenizer = model, tokenizer
+        size = model.visual.image_size
+        self.image_size = int(size[0] if isinstance(size, (tuple, list)) else size)
+        self.image_mean, self.image_std = tuple(model.visual.image_mean), tuple(model.visual.image_std)
+
+    def encode_image(self, images: Tensor, normalize: bool = True) -> Tensor:
+        """(B, 3, H, W) -> (B, D) image embeddings."""
+        return self.model.encode_image(images, normalize=normalize)
+
+    def encode_text(self, tokens: Tensor, normalize: bool = True) -> Tensor:
+        """(B, L) token ids -> (B, D) text embeddings."""
+        return self.model.encode_text(tokens, normalize=normalize)
+
+
+class HFClipEncoder(nn.Module):
+    """A transformers ``CLIPModel`` folder (``--format hf``) behind the probe protocol.
+
+    Args:
+        model: the ``CLIPModel``, weights loaded.
+        tokenizer: its ``CLIPTokenizer``; texts are padded to the model's context length.
+        image_size, image_mean, image_std: from ``preprocessor_config.json``.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, image_size: int, image_mean: tuple, image_std: tuple) -> None:
+        super().__init__()
+        self.model, self._hf_tokenizer = model, tokenizer
+        self.context_length = int(model.config.text_config.max_position_embeddings)
+        self.image_size, self.image_mean, self.image_std = image_size, tuple(image_mean), tuple(image_std)
+
+    def tokenizer(self, texts: list[str]) -> Tensor:
+        """Texts -> (B, L) token ids, padded and truncated to the context length."""
+        return self._hf_tokenizer(list(texts), padding="max_length", truncation=True,
+                                  max_length=self.context_length, return_tensors="pt")["input_ids"]
+
+    def encode_image(self, images: Tensor, normalize: bool = True) -> Tensor:
+        """(B, 3, H, W) -> (B, D) projected image embeddings."""
+        out = self.model.get_image_features(pixel_values=images)
+        out = out if isinstance(out, Tensor) else out.pooler_output
+        return F.normalize(out, dim=-1) if normalize else out
+
+    def encode_text(self, tokens: Tensor, normalize: bool = True) -> Tensor:
+        """(B, L) token ids -> (B, D) projected text embeddings."""
+        out = self.model.get_text_features(input_ids=tokens)
+        out = out if isinstance(out, Tensor) else out.pooler_output
+        return F.normalize(out, dim=-1) if normalize else out
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def export_format(path: str) -> Optional[str]:
+    """Which export folder ``path`` is: ``"open_clip_hf"``, ``"timm"``, ``"hf"``, or ``None`` (a file).
+
+    Raises:
+        ValueError: a folder that is none of them (its files named).
+    """
+    if not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, "open_clip_config.json")):
+        return "open_clip_hf"
+    config = os.path.join(path, "config.json")
+    if os.path.isfile(config):
+        data = _read_json(config)
+        if "architecture" in data:
+            return "timm"
+        if data.get("model_type") == "clip" or "CLIPModel" in (data.get("architectures") or []):
+            return "hf"
+    raise ValueError(f"{path}: not an export folder (open_clip_config.json, a timm config.json or a transformers "
+                     f"CLIPModel config.json); it holds {sorted(os.listdir(path))[:8]}")
+
+
+def _weights(folder: str, *names: str) -> dict[str, Tensor]:
+    path = next((os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))), None)
+    if path is None:
+        raise FileNotFoundError(f"{folder}: no weights file ({' or '.join(names)})")
+    return read_state_dict(path)
+
+
+def load_open_clip_folder(folder: str) -> OpenClipEncoder:
+    """An open_clip hub folder: the model built from ``open_clip_config.json``, weights strict."""
+    model = open_clip.create_model(f"local-dir:{folder}", load_weights=False)
+    model.load_state_dict(_weights(folder, "open_clip_model.safetensors", "open_clip_pytorch_model.bin"))
+    return OpenClipEncoder(model, open_clip.get_tokenizer(f"local-dir:{folder}")).eval()
+
+
+def load_timm_folder(folder: str) -> TimmEncoder:
+    """A timm hub folder: ``config.json``'s architecture and ``model_args``, head dropped."""
+    config = _read_json(os.path.join(folder, "config.json"))
+    model = timm.create_model(config["architecture"], pretrained=False, pretrained_cfg=config.get("pretrained_cfg"),
+                              **{**config.get("model_args", {}), "num_classes": 0})
+    state = {k: v for k, v in _weights(folder, "model.safetensors", "pytorch_model.bin").items()
+             if not k.startswith("head.")}  # a fine-tuned classifier's head: the probes read pre-logits
+    model.load_state_dict(state)
+    return TimmEncoder(model).eval()
+
+
+def load_hf_folder(folder: str) -> HFClipEncoder:
+    """A transformers ``CLIPModel`` folder, with its tokenizer and preprocessing sizes."""
+    try:
+        from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
+    except ImportError as err:
+        raise ImportError(f"{folder} is a transformers folder: pip install -e '.[hf]'") from err
+    model = CLIPModel(CLIPConfig.from_pretrained(folder))
+    model.load_state_dict(_weights(folder, "model.safetensors", "pytorch_model.bin"))
+    pre = _read_json(os.path.join(folder, "preprocessor_config.json"))
+    crop = pre.get("crop_size", model.config.vision_config.image_size)
+    size = int(crop["height"] if isinstance(crop, dict) else crop)
+    return HFClipEncoder(model.eval(), CLIPTokenizer.from_pretrained(folder), size,
+                         pre.get("image_mean", OPENAI_MEAN), pre.get("image_std", OPENAI_STD)).eval()
+
+
+def load_encoder(path: str, model: Optional[str] = None, model_kwargs: Optional[dict] = None,
+                 model_class: Optional[str] = None, ema: bool = False) -> nn.Module:
+    """Any checkpoint or export: a folder by its config (:func:`export_format`), else :func:`load_model`.
+
+    Args:
+        path: a Lightning ``.ckpt``, a state-dict file (with ``model``), or an export folder.
+        model, model_kwargs, model_class, ema: see :func:`load_model` (files only).
+
+    Returns:
+        The module with the probe protocol, in eval mode, on the CPU.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--ckpt: nothing at {path!r}")
+    loaders = {"open_clip_hf": load_open_clip_folder, "timm": load_timm_folder, "hf": load_hf_folder}
+    kind = export_format(path)
+    return loaders[kind](path) if kind else load_model(path, model, model_kwargs, model_class, ema)

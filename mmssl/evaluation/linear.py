@@ -49,6 +49,7 @@ def fit_logistic(
     num_classes: int,
     weight_decay: float = 1e-4,
     max_iter: int = 300,
+    tolerance_grad: float = 1e-7,
 ) -> nn.Module:
     """Multinomial logistic regression by full-batch L-BFGS on standardised features.
 
@@ -63,6 +64,8 @@ def fit_logistic(
         num_classes: C.
         weight_decay: L2 penalty on the weights (not the bias).
         max_iter: L-BFGS iterations.
+        tolerance_grad: stop once every gradient entry is this small (scikit-learn's lbfgs
+            ``tol`` is 1e-4 on the same mean-loss objective).
 
     Returns:
         A module (N, D) -> (N, C) logits, on the features' device.
@@ -77,7 +80,7 @@ def fit_logistic(
     nn.init.zeros_(linear.bias)
     optimizer = torch.optim.LBFGS(
         linear.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
-        tolerance_grad=1e-7, tolerance_change=1e-10, line_search_fn="strong_wolfe",
+        tolerance_grad=tolerance_grad, tolerance_change=1e-10, line_search_fn="strong_wolfe",
     )
 
     def closure() -> Tensor:
