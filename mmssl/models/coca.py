@@ -24,8 +24,9 @@ Exact under DDP, like :class:`mmssl.models.clip.CLIP`:
 
 from __future__ import annotations
 
+import inspect
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import open_clip
 import torch
@@ -124,6 +125,12 @@ class CoCa(CLIP):
         contrastive_chunk_size: Optional[int] = None,
         no_weight_decay: Optional[list[str]] = None,
         tokenizer: Optional[str] = None,
+        grad_checkpointing: bool = False,
+        compile: Union[bool, dict[str, Any]] = False,
+        lock_text: bool = False,
+        lock_text_unlocked_layers: int = 0,
+        lock_text_freeze_layer_norm: bool = True,
+        lock_image_freeze_bn_stats: bool = False,
     ) -> None:
         name = resolve_model_name(model_name)
         if "multimodal_cfg" not in open_clip.get_model_config(name):
@@ -141,10 +148,17 @@ class CoCa(CLIP):
             lock_image=lock_image, lock_image_unlocked_groups=lock_image_unlocked_groups, optimizer=optimizer,
             warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, logit_scale_max=logit_scale_max,
             trim_text_padding=False, contrastive_chunk_size=contrastive_chunk_size,
-            no_weight_decay=no_weight_decay, tokenizer=tokenizer,
+            no_weight_decay=no_weight_decay, tokenizer=tokenizer, grad_checkpointing=grad_checkpointing,
+            compile=compile, lock_text=lock_text, lock_text_unlocked_layers=lock_text_unlocked_layers,
+            lock_text_freeze_layer_norm=lock_text_freeze_layer_norm,
+            lock_image_freeze_bn_stats=lock_image_freeze_bn_stats,
         )
-        # CLIP's save_hyperparameters recorded its own arguments too; a checkpoint holds CoCa's only.
-        self.save_hyperparameters(ignore=["optimizer", "loss", "init_logit_bias", "trim_text_padding"])
+        # CLIP's save_hyperparameters recorded its own arguments too (Lightning merges the two
+        # calls); a checkpoint holds CoCa's only, so that it rebuilds as a CoCa.
+        own = set(inspect.signature(CoCa.__init__).parameters) - {"self", "optimizer"}
+        for key in [k for k in self.hparams if k not in own]:
+            del self.hparams[key]
+        self.save_hyperparameters(ignore=["optimizer"])
         if pretrained is None:
             # open_clip 3.3's MultimodalTransformer leaves its text_projection as torch.empty memory
             # (zeros when fresh pages back it, else garbage: caption losses of 1e12 in a test); its
