@@ -16,6 +16,7 @@ Written here rather than with ``scipy.stats.bootstrap`` (not a dependency) or to
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -44,23 +45,25 @@ def draw_counts(num_units: int, resamples: int, seed: int) -> Tensor:
     return counts.scatter_add_(1, picks, torch.ones(resamples, num_units))
 
 
-class Figure:
+class Figure(ABC):
     """A figure computed on weighted units: ``values(w)`` (R, U) -> (R,); ``w`` of ones is the figure itself."""
 
+    @abstractmethod
     def values(self, weights: Tensor) -> Tensor:
-        raise NotImplementedError
+        """The figure under each row of unit weights: (R, U) -> (R,)."""
 
+    @abstractmethod
     def select(self, positions: Tensor) -> "Figure":
         """The same figure on a subset of the units (in ``positions`` order)."""
-        raise NotImplementedError
 
     def point(self) -> float:
         """The figure on all units."""
         num_units = self.num_units()
         return float(self.values(torch.ones(1, num_units))[0])
 
+    @abstractmethod
     def num_units(self) -> int:
-        raise NotImplementedError
+        """How many units the figure is computed on."""
 
 
 @dataclass

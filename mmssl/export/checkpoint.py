@@ -64,9 +64,12 @@ EXPORTERS: dict[str, Callable[[StateDict], StateDict]] = {"timm": to_timm, "open
 
 
 def _write_hf(module: nn.Module, output: str, source: str) -> StateDict:
-    from mmssl.export.hf import write_hf  # transformers only when asked for
+    # transformers only when asked for; the SigLIP writer builds on the CLIP one's pieces, so the
+    # choice between them is made here, not inside either.
+    from mmssl.export.hf import write_hf
+    from mmssl.export.hf_siglip import is_siglip_shaped, write_siglip
 
-    return write_hf(module, output)
+    return write_siglip(module, output) if is_siglip_shaped(module.model) else write_hf(module, output)
 
 
 def _write_open_clip_hf(module: nn.Module, output: str, source: str) -> StateDict:

@@ -204,7 +204,8 @@ def write_tokenizer_files(folder: str) -> None:
 
 def write_hf(module: nn.Module, output: str) -> StateDict:
     """Write an mmssl ``CLIP`` as a transformers ``CLIPModel`` folder with tokenizer and processor
-    (a ``SiglipModel`` one for the SigLIP recipe's tower shape: :mod:`mmssl.export.hf_siglip`).
+    (``--format hf`` writes a ``SiglipModel`` one instead for the SigLIP recipe's tower shape:
+    :mod:`mmssl.export.hf_siglip`, chosen by :mod:`mmssl.export.checkpoint`).
 
     Args:
         module: the ``CLIP`` LightningModule, weights loaded.
@@ -218,10 +219,6 @@ def write_hf(module: nn.Module, output: str) -> StateDict:
         ImportError: transformers is not installed (``pip install -e .[hf]``).
     """
     model = module.model
-    from mmssl.export.hf_siglip import is_siglip_shaped, write_siglip  # imports this module
-
-    if is_siglip_shaped(model):
-        return write_siglip(module, output)
     check_representable(model)
     try:
         from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
