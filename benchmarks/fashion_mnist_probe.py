@@ -73,11 +73,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--test-samples", type=int, default=10000)
     parser.add_argument("--only", nargs="+", choices=("pixels", "random_init", "mae"),
                         default=("pixels", "random_init", "mae"), help="which feature sets to probe")
+    parser.add_argument("--ema", action="store_true",
+                        help="probe the checkpoint's EMA weights (mmssl.callbacks.EMA) instead of the raw ones")
     parser.add_argument("--output-json")
     args = parser.parse_args(argv)
+    from mmssl.checkpoints.load import load_lightning
     from mmssl.models.mae import MAE
 
-    trained = MAE.load_from_checkpoint(args.ckpt, map_location="cpu").eval()
+    # The raw weights unless --ema, as every tool reads them (mmssl.checkpoints.read.lightning_weights);
+    # MAE.load_from_checkpoint would take the average of a checkpoint trained with the EMA callback.
+    trained = load_lightning(args.ckpt, "MAE", ema=args.ema).eval()
     torch.manual_seed(0)
     random_init = MAE(**{k: v for k, v in trained.hparams.items() if k != "init_encoder"}).eval()
     results = {}
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
             top1 = logistic_regression(train[kind], y_train, test[kind], y_test)
             results[f"{name}/{kind}"] = top1
             print(f"{name:<12} {kind:<7} top1 {top1:.4f}  ({time.time() - t0:.0f}s)", flush=True)
-    results.update(train_samples=len(y_train), test_samples=len(y_test), ckpt=args.ckpt)
+    results.update(train_samples=len(y_train), test_samples=len(y_test), ckpt=args.ckpt, ema=args.ema)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)
