@@ -37,6 +37,23 @@ class DumpParams(pl.Callback):
         torch.save(state, os.path.join(self.folder, f"rank{trainer.global_rank}.pt"))
 
 
+class DumpGrads(pl.Callback):
+    """Save, at the first optimizer step, each rank's gradients (after DDP's all-reduce) of every
+    parameter that has one, and the names of the trainable parameters, to ``{folder}/rank{R}.pt``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step != 0:
+            return
+        os.makedirs(self.folder, exist_ok=True)
+        named = list(pl_module.named_parameters())
+        state = {"grads": {n: p.grad.detach().cpu().clone() for n, p in named if p.grad is not None},
+                 "trainable": sorted(n for n, p in named if p.requires_grad)}
+        torch.save(state, os.path.join(self.folder, f"rank{trainer.global_rank}.pt"))
+
+
 class DumpShards(pl.Callback):
     """Write the shards this rank reads in its first epoch (and where Lightning placed it) to ``{folder}/rank{R}.json``."""
 

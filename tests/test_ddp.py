@@ -23,13 +23,25 @@ DDP = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT]
 
 
 def _common(recipe: str, tmp_path, demo, clip_json: str, val_data: str) -> list[str]:
-    model = [f"--model.init_args.model_name={clip_json}"] if recipe in ("clip", "coca") else TINY_MAE
+    model = [f"--model.init_args.model_name={clip_json}"] if recipe in ("clip", "coca", "clip_lora") else TINY_MAE
+    if recipe == "clip_lora":  # LoRA adapters (r 2) on both towers of a saved base CLIP
+        model += [f"--model.init_args.pretrained={_lora_base(clip_json, tmp_path)}", "--model.init_args.lora={r: 2}"]
     return [
-        "fit", "--config", str(REPO / f"configs/demo/{recipe}.yaml"), *model,
+        "fit", "--config", str(REPO / f"configs/demo/{recipe.removesuffix('_lora')}.yaml"), *model,
         f"--data.init_args.demo_dir={demo.root}", f"--data.init_args.val_data={val_data}",
         "--data.init_args.batch_size=4", f"--trainer.default_root_dir={tmp_path / 'runs'}",
         "--trainer.enable_progress_bar=false",
     ]
+
+
+def _lora_base(clip_json: str, folder) -> str:
+    """A base CLIP's open_clip state dict for ``model.pretrained`` (seeded: both runs get one base)."""
+    from mmssl.models.clip import CLIP
+
+    torch.manual_seed(0)
+    path = folder / "lora_base.pth"
+    torch.save(CLIP(model_name=clip_json).model.state_dict(), path)
+    return str(path)
 
 
 def _val_shards(demo, how: str) -> str:
@@ -71,15 +83,18 @@ CALLBACKS = {
 }
 
 
-@pytest.mark.parametrize("recipe, val", [("clip", "uneven"), ("mae", "one"), ("coca", "uneven")])
+@pytest.mark.parametrize("recipe, val", [("clip", "uneven"), ("mae", "one"), ("coca", "uneven"), ("clip_lora", "one")])
 def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, tiny_clip_json, tiny_coca_json):
     """val/loss, retrieval, zero-shot, linear (per block) and k-NN probes, and the demo configs'
     label-free health figures (EmbeddingHealth): 2 ranks = 1 process; CoCa's captioning figures
-    (token-weighted, so the ranks' different caption lengths cancel) too.
+    (token-weighted, so the ranks' different caption lengths cancel) too. With LoRA, every rank
+    trains the adapters (and logit_scale) only, their gradients all-reduced to one.
 
     The learning rate is 0, so both runs validate the same weights; validation shards hold
     whole batches (16 samples, batch 4), so CLIP's in-batch loss sees the same batches too.
     """
+    if recipe == "clip_lora":
+        pytest.importorskip("peft")
     figures = []
     for processes in (1, 2):
         folder = tmp_path / f"p{processes}"
@@ -89,10 +104,15 @@ def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, 
         args = [
             *_common(recipe, folder, tiny_demo, model_json, _val_shards(tiny_demo, val)),
             *(DDP if processes == 2 else []), lr, "--data.init_args.num_workers=2",
-            "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", *CALLBACKS[recipe],
+            "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", *CALLBACKS[recipe.removesuffix("_lora")],
         ]
         if recipe == "coca":  # its demo validates by steps; here at the epoch's end, as the others
             args += ["--trainer.max_steps=-1", "--trainer.val_check_interval=1.0", "--trainer.check_val_every_n_epoch=1"]
+        if recipe == "clip_lora" and processes == 2:
+            # Rank 1 imports peft (and with it transformers, ~7 s of CPU) before it joins the
+            # rendezvous, which waits no longer than the process-group timeout: more of it here.
+            args += ["--trainer.callbacks+=helpers.DumpGrads", f"--trainer.callbacks.folder={tmp_path / 'grads'}",
+                     "--trainer.strategy.init_args.timeout=0:02:30"]
         out = run_mmssl(args, folder) if processes == 2 else run_one_process(args)
         assert out.returncode == 0, out.stdout[-3000:]
         # The callbacks' figures are reduced over ranks and logged as such: no Lightning advice.
@@ -110,3 +130,20 @@ def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, 
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-5), key
     if recipe == "mae":
         assert list((tmp_path / "p2" / "runs" / "version_0" / "reconstructions").glob("*.png"))
+    if recipe == "clip_lora":
+        _assert_ranks_train_the_same_adapters(tmp_path / "grads")
+
+
+def _assert_ranks_train_the_same_adapters(folder) -> None:
+    """Both ranks: the trainable parameters are the adapters and logit_scale, exactly those get
+    gradients, and the gradients are one (all-reduced); lora_B's are not zero (lora_A's are while
+    B starts at 0)."""
+    rank0, rank1 = (torch.load(folder / f"rank{r}.pt") for r in (0, 1))
+    for rank in (rank0, rank1):
+        assert rank["trainable"] and all("lora_" in n or n == "model.logit_scale" for n in rank["trainable"])
+        assert any(".transformer.resblocks." in n and "visual" not in n for n in rank["trainable"])  # text tower too
+        assert sorted(rank["grads"]) == rank["trainable"]
+    assert rank0["trainable"] == rank1["trainable"]
+    for name, grad in rank0["grads"].items():
+        torch.testing.assert_close(rank1["grads"][name], grad, rtol=0, atol=0, msg=name)
+    assert any(g.abs().sum() > 0 for n, g in rank0["grads"].items() if "lora_B" in n)
