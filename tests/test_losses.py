@@ -27,7 +27,7 @@ def test_clip_loss_matches_hand_written_reference():
 
 
 def test_clip_loss_is_low_for_matching_pairs_and_high_for_shuffled():
-    img = F.normalize(torch.randn(16, 32), dim=-1)
+    img = F.normalize(torch.randn(16, 32, generator=torch.Generator().manual_seed(0)), dim=-1)
     matched = clip_loss(img, img, torch.tensor(100.0))
     shuffled = clip_loss(img, img.roll(1, dims=0), torch.tensor(100.0))
     assert matched.item() < 0.01 < shuffled.item()
