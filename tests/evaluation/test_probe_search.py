@@ -51,9 +51,13 @@ def test_fit_logistic_starts_from_init():
 
 
 def test_small_problems_run_on_one_thread_and_restore_the_setting():
-    threads = torch.get_num_threads()
-    with protocols.small_problem_threads(100, 10, 3):
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == threads
-    with protocols.small_problem_threads(10**6, 1000, 1000):
-        assert torch.get_num_threads() == threads
+    before = torch.get_num_threads()  # the suite's conftest runs tests on one thread: start from two
+    torch.set_num_threads(2)
+    try:
+        with protocols.small_problem_threads(100, 10, 3):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with protocols.small_problem_threads(10**6, 1000, 1000):
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
