@@ -99,12 +99,16 @@ def cb_commands(cb_python: str, export: str, work: Path, names: list[str], out: 
     return commands
 
 
-def _timed(commands: list[list[str]], env: dict) -> float:
+def _timed(commands: list[list[str]], env: dict, log: Path) -> float:
+    """Wall seconds of the commands run one after another; their output appended to ``log``."""
     start = time.perf_counter()
-    for command in commands:
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command[:4])} ... failed:\n{done.stderr[-3000:]}")
+    with open(log, "a", encoding="utf-8") as out:
+        for command in commands:
+            out.write(f"$ {' '.join(command)}\n")
+            out.flush()
+            done = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(command[:4])} ... failed (rc {done.returncode}): see {log}")
     return time.perf_counter() - start
 
 
@@ -124,6 +128,13 @@ def compare_figures(cb_out: Path, suite_out: Path, names: list[str]) -> list[dic
                                  "suite": ours["metrics"][key], "ci95": ours["ci95"][key],
                                  "points": round(100 * (ours["metrics"][key] - cb[key]), 3)})
     return rows
+
+
+def _report(work: Path, names: list[str], times: dict, load: dict) -> dict:
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    return {"sets": names, "seconds": times, "load_average_1min": load, "cpu_count": os.cpu_count(),
+            "median_seconds": medians, "speedup": medians["clip_benchmark"] / medians["suite"],
+            "figures": compare_figures(work / "cb_0", work / "suite_0", names)}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -152,26 +163,30 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "open_clip_hf", "--output", export], env=env, check=True)
     suite = suite_yaml(work, names)
     times: dict[str, list[float]] = {"clip_benchmark": [], "suite": []}
+    # The 1-minute load average when each timed side starts and ends: the machine is shared.
+    load: dict[str, list[tuple[float, float]]] = {"clip_benchmark": [], "suite": []}
     for run in range(args.runs):
         cb_out, suite_out = work / f"cb_{run}", work / f"suite_{run}"
         cb_out.mkdir()
-        times["clip_benchmark"].append(_timed(cb_commands(args.cb_python, export, work, names, cb_out,
-                                                          args.num_workers), env))
-        times["suite"].append(_timed([[sys.executable, str(REPO / "tools" / "evaluate.py"), "--ckpt", export,
-                                       "--suite", suite, "--output", str(suite_out), "--num-workers",
-                                       str(args.num_workers)]], env))
-        print(f"run {run}: clip_benchmark {times['clip_benchmark'][-1]:.1f} s, suite {times['suite'][-1]:.1f} s")
-    rows = compare_figures(work / "cb_0", work / "suite_0", names)
-    medians = {k: statistics.median(v) for k, v in times.items()}
-    report = {"sets": names, "seconds": times, "median_seconds": medians,
-              "speedup": medians["clip_benchmark"] / medians["suite"], "figures": rows}
+        sides = {"clip_benchmark": cb_commands(args.cb_python, export, work, names, cb_out, args.num_workers),
+                 "suite": [[sys.executable, str(REPO / "tools" / "evaluate.py"), "--ckpt", export, "--suite",
+                            suite, "--output", str(suite_out), "--num-workers", str(args.num_workers)]]}
+        for side, commands in sides.items():
+            before = os.getloadavg()[0]
+            times[side].append(_timed(commands, env, work / f"{side}_{run}.log"))
+            load[side].append((before, os.getloadavg()[0]))
+        print(f"run {run}: clip_benchmark {times['clip_benchmark'][-1]:.1f} s, suite {times['suite'][-1]:.1f} s, "
+              f"load {load['clip_benchmark'][-1]} / {load['suite'][-1]}", flush=True)
+        report = _report(work, names, times, load)
+        if args.output_json:  # after every run, so that a cut-short series keeps what it measured
+            Path(args.output_json).write_text(json.dumps(report, indent=2))
+    rows = report["figures"]
+    medians = report["median_seconds"]
     for row in rows:
         print(f"{row['set']:>14} {row['task']:>13} {row['metric']:>28}: clip_benchmark {100 * row['clip_benchmark']:6.2f}"
               f"  suite {100 * row['suite']:6.2f}  ({row['points']:+.2f} points)")
     print(f"median: clip_benchmark {medians['clip_benchmark']:.1f} s, suite {medians['suite']:.1f} s, "
           f"{report['speedup']:.2f}x")
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(report, indent=2))
     return 0
 
 
