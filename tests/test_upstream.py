@@ -70,6 +70,8 @@ def _fit(probe: _Probe, log_every_n_steps: int) -> _Steps:
     logger = _Steps()
     trainer = pl.Trainer(max_steps=4, log_every_n_steps=log_every_n_steps, logger=logger, callbacks=[probe],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         # One process, and what is checked is the training loop's logging counter:
+                         # validation would only add steps that the counter does not see.
                          num_sanity_val_steps=0, limit_val_batches=0, accelerator="cpu", devices=1)
     trainer.fit(_Module())
     return logger

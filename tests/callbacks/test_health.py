@@ -61,6 +61,8 @@ def test_every_n_steps_logs_each_step_and_a_collapse_warns_once(collapsed, tmp_p
     # span a few directions only: a healthy RankMe here is 2 to 4).
     health = EmbeddingHealth(data=str(tmp_path / "val" / "00000.tar"), every_n_steps=1, collapse_threshold=0.25,
                              batch_size=4)
+    # every_n_steps logs from the training loop, which is what this checks: no validation, so every
+    # figure in metrics.csv came from a training step (the validation path, 1 against 2 ranks: tests/test_ddp.py).
     trainer = pl.Trainer(max_steps=3, limit_val_batches=0, logger=CSVLogger(tmp_path, name="run"), callbacks=[health],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     with warnings.catch_warnings(record=True) as caught:

@@ -16,6 +16,8 @@ pytest.importorskip("peft")
 
 
 def test_lora_fit_saves_only_what_trains_and_resumes_on_its_base(tmp_path, tiny_demo, tiny_clip_json):
+    # One process, checking what the checkpoint holds and that it resumes: validation is off to keep
+    # it short; LoRA with validation on, 1 against 2 ranks, is tests/test_ddp.py's clip_lora case.
     base = tmp_path / "base.pth"
     torch.save(CLIP(model_name=tiny_clip_json).model.state_dict(), base)
     common = [
