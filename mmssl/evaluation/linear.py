@@ -184,6 +184,62 @@ def fit_mae_linear(
     return head.eval()
 
 
+def fit_adamw_cosine(
+    features: Tensor,
+    labels: Tensor,
+    num_classes: int,
+    weight_decay: float,
+    lr: float = 0.1,
+    epochs: int = 10,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> nn.Linear:
+    """CLIP_benchmark's linear-probe fit (``clip_benchmark.metrics.linear_probe.train``, 1.6.2).
+
+    A ``nn.Linear`` (default init after ``torch.manual_seed(seed)``), AdamW at ``lr`` with
+    ``weight_decay`` on every parameter, cross-entropy, shuffled mini-batches of ``batch_size``,
+    the learning rate set before each step to ``0.5 * (1 + cos(pi * step / steps)) * lr`` (its
+    ``cosine_lr`` without warm-up), for ``epochs`` passes; fp32 (its ``--no_amp``). Written out
+    rather than imported: clip_benchmark is not a dependency (it pins its own numpy) and asserts
+    CUDA. The seed, the init and the batches' order are drawn as it draws them (the global RNG
+    after ``manual_seed``, a ``DataLoader(shuffle=True)``), inside ``fork_rng`` so that the
+    caller's RNG is left as it was. A short fixed schedule: on near-separable features it stops
+    short of the optimum that :func:`fit_logistic` reaches (the suite names it protocol
+    ``clip_benchmark`` to compare with CLIP_benchmark's figures, not to report the best probe).
+
+    Args:
+        features: (N, D) training features (CLIP_benchmark L2-normalises them first).
+        labels: (N,) class indices.
+        num_classes: C.
+        weight_decay: AdamW's decoupled weight decay.
+        lr: peak learning rate (``--fewshot_lr``).
+        epochs: passes over the features (``--fewshot_epochs``).
+        batch_size: mini-batch size (``--batch_size``).
+        seed: ``--seed``.
+
+    Returns:
+        The trained (D -> C) layer.
+    """
+    _check(features, labels, num_classes)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(features.float(), labels),
+                                         batch_size=batch_size, shuffle=True)
+    steps = epochs * len(loader)
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+        torch.manual_seed(seed)
+        model = nn.Linear(features.shape[1], num_classes)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        step = 0
+        for _ in range(epochs):
+            for x, y in loader:
+                for group in optimizer.param_groups:
+                    group["lr"] = 0.5 * (1 + math.cos(math.pi * step / steps)) * lr
+                optimizer.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                step += 1
+    return model.eval()
+
+
 def fit_linear(features: Tensor, labels: Tensor, num_classes: int, method: str = "lbfgs", **kwargs) -> nn.Module:
     """Dispatch to ``fit_logistic`` (``"lbfgs"``) or ``fit_mae_linear`` (``"mae"``).
 

@@ -3,7 +3,8 @@ named with CLIP_benchmark's metric keys, and the protocol's own settings.
 
 - zero-shot (``zeroshot_classification``): ``acc1``, ``acc5``, ``mean_per_class_recall``;
 - linear probe: ``lp_acc1``, ``lp_acc5``, ``lp_mean_per_class_recall`` (CLIP_benchmark's
-  ``linear_probe`` keys); protocol ``clip`` (CLIP appendix A.3) or ``mae`` (MAE appendix A.1);
+  ``linear_probe`` keys); protocol ``clip`` (CLIP appendix A.3), ``mae`` (MAE appendix A.1) or
+  ``clip_benchmark`` (CLIP_benchmark 1.6.2's AdamW recipe, to compare with its figures);
 - k-NN: ``acc1``, ``acc5``, ``mean_per_class_recall``; protocol ``lightly`` or ``dino``;
 - retrieval (``zeroshot_retrieval``): ``image_retrieval_recall@k``, ``text_retrieval_recall@k``
   and ``mean_recall@1`` (their mean at k = 1, DataComp's retrieval score).
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from mmssl.evaluation.bootstrap import ClassRecall, Figure, MeanOf, Ratio
 from mmssl.evaluation.knn import knn_scores
-from mmssl.evaluation.linear import fit_linear, fit_mae_linear
+from mmssl.evaluation.linear import fit_adamw_cosine, fit_linear, fit_mae_linear
 
 # CLIP appendix A.3: "the L2 regularization strength lambda ... between 10^-6 and 10^6, with 96
 # logarithmically spaced steps", searched from [10^-6, 10^-4, ..., 10^6] by halving the interval
@@ -30,6 +31,9 @@ CLIP_LAMBDAS: tuple[float, ...] = tuple(float(x) for x in torch.logspace(-6, 6, 
 CLIP_START_STEP = 16  # the search starts from every 16th lambda: 10^-6, 10^-4, ..., 10^6
 CLIP_MAX_ITER = 1000  # appendix A.3: scikit-learn's L-BFGS, "max 1000 iterations"
 CLIP_TOLERANCE = 1e-4  # scikit-learn LogisticRegression's default tol (its lbfgs gradient bound)
+# CLIP_benchmark 1.6.2 (linear_probe.evaluate): "instead of scikit-learn LBFGS use FCNNs with
+# AdamW", weight decay from np.logspace(-6, 2, num=97), the same search from every 16th point.
+CB_WEIGHT_DECAYS: tuple[float, ...] = tuple(float(x) for x in torch.logspace(-6, 2, 97, dtype=torch.float64))
 KNN: dict[str, dict[str, float]] = {
     "lightly": {"k": 200, "temperature": 0.1},  # lightly.utils.benchmarking.knn_predict defaults
     "dino": {"k": 20, "temperature": 0.07},  # DINO eval_knn.py (--nb_knn 20, --temperature 0.07)
@@ -152,6 +156,26 @@ def small_problem_threads(rows: int, dim: int, num_classes: int) -> Iterator[Non
         torch.set_num_threads(threads)
 
 
+def clip_benchmark_search(train: Tensor, train_labels: Tensor, val: Tensor, val_labels: Tensor, num_classes: int,
+                          fit: dict[str, Any]) -> tuple[float, dict[float, float]]:
+    """CLIP_benchmark's weight decay: :func:`parametric_search` over :data:`CB_WEIGHT_DECAYS`, each
+    point a :func:`fit_adamw_cosine` from its seed (as its ``find_peak``; no warm start).
+
+    Returns:
+        The chosen weight decay and the held-out accuracy of every one tried.
+    """
+    scores: dict[int, float] = {}
+
+    def score(i: int) -> float:
+        if i not in scores:
+            head = fit_adamw_cosine(train, train_labels, num_classes, CB_WEIGHT_DECAYS[i], **fit)
+            scores[i] = _accuracy(head, val, val_labels)
+        return scores[i]
+
+    peak = parametric_search(score, size=len(CB_WEIGHT_DECAYS), start_step=16)
+    return CB_WEIGHT_DECAYS[peak], {CB_WEIGHT_DECAYS[i]: s for i, s in sorted(scores.items())}
+
+
 def held_out_split(n: int, fraction: float, seed: int) -> tuple[Tensor, Tensor]:
     """A seeded random split of n training rows: (fit rows, held-out rows), the held-out part at least one row."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
@@ -167,7 +191,10 @@ def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels:
     ``clip``: L2-normalised features (as CLIP_benchmark's ``normalize``), lambda by
     :func:`clip_lambda_search` on ``val`` (else a held-out ``val_fraction`` of the training
     rows), then the final fit on training and held-out rows together (CLIP A.3: "we combine the
-    validation split back with the training split"). ``mae``: :func:`fit_mae_linear` on the raw
+    validation split back with the training split"). ``clip_benchmark``: the same split and
+    features, CLIP_benchmark's AdamW fit (:func:`fit_adamw_cosine`; ``options["clip_benchmark"]``:
+    ``lr``, ``epochs``, ``batch_size``) and weight-decay search (:func:`clip_benchmark_search`),
+    the final fit on training and held-out rows. ``mae``: :func:`fit_mae_linear` on the raw
     features with ``options["mae"]`` (the paper's recipe by default).
 
     Returns:
@@ -186,8 +213,18 @@ def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels:
         fit_x, fit_y, val_x, val_y = train[fit_rows], train_labels[fit_rows], train[val_rows], train_labels[val_rows]
     else:
         fit_x, fit_y, val_x, val_y = train, train_labels, F.normalize(val[0].float(), dim=-1), val[1]
-    max_iter = int(options.get("max_iter", CLIP_MAX_ITER))
     all_x, all_y = torch.cat([fit_x, val_x]), torch.cat([fit_y, val_y])
+    if protocol == "clip_benchmark":
+        fit = {"seed": seed, **(options.get("clip_benchmark") or {})}
+        with small_problem_threads(all_x.shape[0], all_x.shape[1], num_classes):
+            wd, tried = clip_benchmark_search(fit_x, fit_y, val_x, val_y, num_classes, fit)
+            head = fit_adamw_cosine(all_x, all_y, num_classes, wd, **fit)
+        with torch.no_grad():
+            logits = head(test)
+        settings = {"weight_decay": wd, "num_val": int(val_x.shape[0]), "weight_decays_tried": len(tried),
+                    "val_acc1": max(tried.values()), "normalized": True, "clip_benchmark": fit}
+        return classification_figures(logits, test_labels, num_classes, "lp_"), settings
+    max_iter = int(options.get("max_iter", CLIP_MAX_ITER))
     with small_problem_threads(all_x.shape[0], all_x.shape[1], num_classes):
         lam, tried = clip_lambda_search(fit_x, fit_y, val_x, val_y, num_classes, max_iter)
         head = fit_linear(all_x, all_y, num_classes, "lbfgs", weight_decay=lam / all_x.shape[0],

@@ -14,7 +14,8 @@ A suite is YAML (``tools/evaluate.py --suite FILE``)::
 Tasks are a list of names (default options) or a mapping ``task: {options}``:
 
 - ``zero_shot``: the set's ``classnames`` / ``templates`` (files beside the set, or given here).
-- ``linear_probe``: ``protocols: [clip, mae]``; ``val_fraction`` (0.2: the held-out part of the
+- ``linear_probe``: ``protocols: [clip, mae]`` (the default; also ``clip_benchmark``: CLIP_benchmark's
+  AdamW probe, options ``clip_benchmark: {lr, epochs, batch_size}``); ``val_fraction`` (0.2: the held-out part of the
   training split for the regularisation search) or ``val`` (a split of its own); ``mae`` (the
   ``fit_mae_linear`` arguments: ``epochs``, ``optimizer``, ``blr``, ...).
 - ``knn``: ``protocols: [lightly, dino]``.
@@ -35,16 +36,20 @@ import yaml
 
 from mmssl.data.labeled import is_image_folder, read_classnames, read_templates, resolve_labeled
 
-# The protocols of each task (all of them by default); the JSON names the one used.
+# The protocols of each task; the JSON names the one used.
 PROTOCOLS: dict[str, tuple[str, ...]] = {
     "zero_shot": ("clip",),  # CLIP sec. 3.1.4: prompt ensembles of the set's templates
-    "linear_probe": ("clip", "mae"),  # CLIP appendix A.3 (L-BFGS + lambda search); MAE appendix A.1
+    # CLIP appendix A.3 (L-BFGS + lambda search); MAE appendix A.1; CLIP_benchmark 1.6.2's AdamW probe
+    "linear_probe": ("clip", "mae", "clip_benchmark"),
     "knn": ("lightly", "dino"),  # lightly's knn_predict (k=200, T=0.1); DINO's eval_knn (k=20, T=0.07)
     "retrieval": ("clip",),  # CLIP_benchmark's zeroshot_retrieval recall@k
 }
+# Run when a task names no protocols: all but clip_benchmark's probe, a peer's recipe for
+# comparing with its figures (an under-trained fit on near-separable features).
+DEFAULT_PROTOCOLS: dict[str, tuple[str, ...]] = {**PROTOCOLS, "linear_probe": ("clip", "mae")}
 TASK_OPTIONS: dict[str, tuple[str, ...]] = {
     "zero_shot": ("protocols",),
-    "linear_probe": ("protocols", "val_fraction", "val", "max_iter", "mae"),
+    "linear_probe": ("protocols", "val_fraction", "val", "max_iter", "mae", "clip_benchmark"),
     "knn": ("protocols",),
     "retrieval": ("protocols", "recall_k"),
 }
@@ -124,7 +129,7 @@ def _task(name: Any, options: Any, where: str) -> TaskSpec:
     if not isinstance(options, dict):
         raise SuiteError(f"{where}.{name}: expected a mapping of options, got {options!r}")
     _unknown(options, TASK_OPTIONS[name], f"{where}.{name}")
-    protocols = options.pop("protocols", PROTOCOLS[name])
+    protocols = options.pop("protocols", DEFAULT_PROTOCOLS[name])
     protocols = (protocols,) if isinstance(protocols, str) else tuple(protocols)
     bad = [p for p in protocols if p not in PROTOCOLS[name]]
     if bad or not protocols:
@@ -136,6 +141,11 @@ def _task(name: Any, options: Any, where: str) -> TaskSpec:
     ks = options.get("recall_k", [1, 5, 10])
     if name == "retrieval" and not (isinstance(ks, list) and ks and all(isinstance(k, int) and k >= 1 for k in ks)):
         raise SuiteError(f"{where}.{name}.recall_k: expected a list of positive integers, got {ks!r}")
+    if name == "linear_probe" and "clip_benchmark" in options:
+        fit = options["clip_benchmark"]
+        if not isinstance(fit, dict):
+            raise SuiteError(f"{where}.{name}.clip_benchmark: expected a mapping of lr, epochs, batch_size, got {fit!r}")
+        _unknown(fit, ("lr", "epochs", "batch_size"), f"{where}.{name}.clip_benchmark")
     if name == "linear_probe" and "val" in options:
         options["val"] = _path(options["val"], f"{where}.{name}.val")
     return TaskSpec(name, protocols, options)

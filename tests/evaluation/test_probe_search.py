@@ -1,8 +1,11 @@
 """The CLIP linear probe's lambda search: a warm-started regularisation path (strongest lambda
 first, each fit from its nearest fitted neighbour) that picks what a cold search picks, and its
-single-threaded fits on small problems."""
+single-threaded fits on small problems; and CLIP_benchmark's AdamW probe (protocol
+``clip_benchmark``)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -61,3 +64,48 @@ def test_small_problems_run_on_one_thread_and_restore_the_setting():
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_clip_benchmark_probe_searches_its_grid_and_leaves_the_callers_rng(monkeypatch):
+    tried: list[float] = []
+    fit = protocols.fit_adamw_cosine
+
+    def recording(x, y, c, wd, **kwargs):
+        tried.append(wd)
+        return fit(x, y, c, wd, **kwargs)
+
+    monkeypatch.setattr(protocols, "fit_adamw_cosine", recording)
+    blobs, labels = _blobs(150, 5)  # one draw of centres: training, held-out and test rows from it
+    (x, y), (vx, vy), (tx, ty) = ((blobs[a:b], labels[a:b]) for a, b in ((0, 60), (60, 90), (90, 150)))
+    state = torch.get_rng_state()
+    figures, settings = protocols.linear_probe(x, y, tx, ty, 3, "clip_benchmark", {"clip_benchmark": {"epochs": 2}},
+                                               seed=0, val=(vx, vy))
+    assert torch.equal(torch.get_rng_state(), state)  # fork_rng: training's data order is untouched
+    # CLIP_benchmark's starting points (np.logspace(-6, 2, 7): every 16th of 97), then 4 rounds of
+    # 2 new neighbours at most, then the final fit at the chosen weight decay
+    assert sorted(tried[:7]) == pytest.approx([10 ** (-6 + 8 * i / 6) for i in range(7)])
+    assert settings["weight_decay"] == tried[-1] and settings["weight_decay"] in protocols.CB_WEIGHT_DECAYS
+    assert len(tried) == settings["weight_decays_tried"] + 1 <= 7 + 8 + 1
+    assert figures["lp_acc1"].point() > 0.6  # three separable blobs
+    again, _ = protocols.linear_probe(x, y, tx, ty, 3, "clip_benchmark", {"clip_benchmark": {"epochs": 2}},
+                                      seed=0, val=(vx, vy))
+    assert again["lp_acc1"].point() == figures["lp_acc1"].point()
+
+
+def test_clip_benchmark_fit_follows_its_cosine_schedule_from_its_seeded_init(monkeypatch):
+    lrs: list[float] = []
+    step = torch.optim.AdamW.step
+
+    def recording(self, *a, **k):
+        lrs.append(self.param_groups[0]["lr"])
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording)
+    x, y = _blobs(10, 8)
+    head = linear.fit_adamw_cosine(x, y, 3, 1e-4, lr=0.1, epochs=2, batch_size=4)  # 3 batches x 2 epochs
+    assert lrs == pytest.approx([0.05 * (1 + math.cos(math.pi * s / 6)) for s in range(6)])
+    torch.manual_seed(0)
+    init = torch.nn.Linear(6, 3)  # what CLIP_benchmark's train() starts from at --seed 0
+    assert not torch.equal(head.weight, init.weight)
+    zero_steps = linear.fit_adamw_cosine(x, y, 3, 1e-4, epochs=0)
+    assert torch.equal(zero_steps.weight, init.weight) and torch.equal(zero_steps.bias, init.bias)

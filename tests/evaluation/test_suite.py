@@ -53,6 +53,8 @@ def test_a_bad_suite_is_refused_naming_the_entry(sets, tmp_path):
     refused({"test": sets["test"], "tasks": ["knn"]}, "sets.a.tasks.knn", "train")
     refused({"test": sets["test"], "train": sets["train"], "tasks": {"knn": {"protocols": ["faiss"]}}}, "'faiss'")
     refused({"test": sets["test"], "tasks": {"retrieval": {"recall": [1]}}}, "sets.a.tasks.retrieval", "'recall'")
+    refused({"test": sets["test"], "train": sets["train"], "tasks": {"linear_probe": {"clip_benchmark": {"lr": 0.1, "wd": 1}}}},
+            "sets.a.tasks.linear_probe.clip_benchmark", "'wd'")
     (tmp_path / "s.yaml").write_text("sets: [")
     with pytest.raises(SuiteError, match="not YAML"):
         load_suite(str(tmp_path / "s.yaml"))
