@@ -52,9 +52,12 @@ def _val_shards(demo, how: str) -> str:
     return "::".join(f"{train}/{i}.tar" for i in range(3))
 
 
-@pytest.mark.parametrize("recipe, val", [("clip", "one"), ("mae", "uneven")])
+@pytest.mark.parametrize("recipe, val", [("mae", "uneven")])
 def test_readme_ddp_command_finishes_with_validation_on(recipe, val, tmp_path, tiny_demo, tiny_clip_json):
-    """The README's 2-process command, validation at every epoch end, ranks in lockstep."""
+    """The README's 2-process command, validation at every epoch end, ranks in lockstep after 2
+    epochs of training. Its CLIP config (configs/demo/clip.yaml + ddp_cpu.yaml) runs below in
+    test_two_processes_log_the_figures_of_one[clip-uneven] (and, rank 1 without a val batch, in
+    [clip_lora-one]); CLIP's ranks training in lockstep: tests/models/test_gradcache_distill_cli.py."""
     out = run_mmssl([
         *_common(recipe, tmp_path, tiny_demo, tiny_clip_json, _val_shards(tiny_demo, val)), *DDP,
         "--data.init_args.num_workers=2", "--trainer.max_epochs=2",

@@ -1,4 +1,5 @@
-"""Fine-tuning through the real ``mmssl`` CLI: recipes, learning on labelled shards, validate, DDP.
+"""Fine-tuning through the real ``mmssl`` CLI: recipes, learning on labelled shards, validate (2-process
+DDP with validation on, rank 1 without a val batch: tests/data/test_folders.py).
 
 The labelled shards are written here: four colour classes of noisy 16x16 PNGs, with ``cls``.
 """
@@ -14,7 +15,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
+from tests.cli_runs import REPO, last_metrics, run_mmssl
 from tests.data.shard_helpers import write_tar
 
 from mmssl.cli import cli_main
@@ -89,27 +90,3 @@ def test_finetune_learns_and_validate_reproduces_its_figures(labelled, tmp_path)
     again = cli_main(["validate", *common, f"--ckpt_path={runs[-1] / 'checkpoints' / 'last.ckpt'}"])
     for key in ("val/top1", "val/loss"):
         assert float(again.trainer.callback_metrics[key]) == pytest.approx(fitted[key], rel=1e-5), key
-
-
-def test_two_processes_give_the_val_top1_of_one(labelled, tmp_path):
-    """Validation on the one val shard: rank 1 has no batch, yet joins the metric reduction.
-
-    The learning rate is 0, so both runs validate the same (initial, seeded) weights.
-    """
-    train, val = labelled
-    figures = []
-    for processes in (1, 2):
-        folder = tmp_path / f"p{processes}"
-        ddp = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT] if processes == 2 else []
-        args = [
-            "fit", "--config", str(CONFIGS / "demo.yaml"), *TINY, *ddp, f"--data.init_args.train_data={train}",
-            f"--data.init_args.val_data={val}", f"--trainer.default_root_dir={folder / 'runs'}",
-            "--model.init_args.blr=0.0", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
-        ]
-        out = run_mmssl(args, tmp_path) if processes == 2 else run_one_process(args)
-        assert out.returncode == 0, out.stdout[-3000:]
-        figures.append(last_metrics(folder / "runs" / "version_0"))
-    one, two = figures
-    assert {"val/top1", "val/top5", "val/loss"} <= one.keys() and one.keys() == two.keys()
-    for key in one:
-        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key

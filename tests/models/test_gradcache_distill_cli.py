@@ -1,32 +1,42 @@
-"""GradCache through the real CLI: 2 gloo ranks with chunking train what one process trains.
+"""GradCache and distillation through the real CLI: 2 gloo ranks with GradCache chunking and a
+teacher train what one plain process with the teacher trains, validation on.
 
 An 8-sample training set, 4 per rank on 2 ranks, 8 in one process: every epoch is ONE global batch
 holding all 8 samples in both runs (mmssl.data.plan deals contiguous runs and shuffles within a
 rank), so the two runs take the same optimizer steps (the contrastive loss does not depend on the
 order of the pairs). The 2-process run chunks 3 + 1 per rank; the one-process run does not chunk.
-Gradient clipping, the warm-up/cosine schedule, NonFiniteGuard and validation (zero-shot, loss,
-retrieval) are all on. FLIP is off here: each rank draws its own masks, so masked runs of 1 and 2
-processes differ by design (chunked FLIP against the whole batch on 1 and 2 ranks, and
-accumulation: tests/models/test_gradcache.py).
+The teacher has another width and context, so the projection, the second tokenisation, the
+teacher's gathered logits and its chunked forward are all in the step. Gradient clipping, the
+warm-up/cosine schedule, NonFiniteGuard and validation (zero-shot, loss, retrieval) are all on.
+FLIP is off here: each rank draws its own masks, so masked runs of 1 and 2 processes differ by
+design (chunked FLIP against the whole batch on 1 and 2 ranks, and accumulation:
+tests/models/test_gradcache.py). Both runs must end with the same weights.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
+from tests.models.test_distill import STUDENT, save_lightning
 
 from mmssl.checkpoints import read_checkpoint
 from mmssl.data.demo import ensure_demo_data
-
+from mmssl.models.clip import CLIP
 
 # SGD: AdamW would turn the key bias's zero gradient (float noise in any two runs) into full-size
 # steps in random directions, hiding what is compared.
 SGD = '{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.9}}'
 
 
-def test_two_chunked_ranks_train_what_one_plain_process_trains(tmp_path, tiny_clip_json):
+def test_two_chunked_ranks_with_a_teacher_train_what_one_process_trains(tmp_path, tiny_clip_json):
     demo = ensure_demo_data(str(tmp_path / "demo"), num_train=8, num_val=16, shard_size=8, image_size=32)
+    torch.manual_seed(3)
+    teacher = save_lightning(CLIP(tiny_clip_json), tmp_path / "teacher.ckpt")
+    student = tmp_path / "student.json"
+    student.write_text(json.dumps(STUDENT))
     runs = {}
     for processes, chunk in ((2, 3), (1, None)):
         folder = tmp_path / f"p{processes}"
@@ -34,33 +44,38 @@ def test_two_chunked_ranks_train_what_one_plain_process_trains(tmp_path, tiny_cl
         ddp = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT] if processes == 2 else []
         args = [
             "fit", "--config", str(REPO / "configs/demo/clip.yaml"), *ddp,
-            f"--model.init_args.model_name={tiny_clip_json}", f"--model.init_args.contrastive_chunk_size={chunk or 'null'}",
+            f"--model.init_args.model_name={student}", f"--model.init_args.teacher={teacher}",
+            '--model.init_args.distill_weights={"contrastive": 1.0, "logits": 1.0, "features": 1.0}',
+            f"--model.init_args.contrastive_chunk_size={chunk or 'null'}",
             "--model.init_args.warmup_steps=1", f"--model.init_args.optimizer={SGD}", f"--data.init_args.demo_dir={demo.root}",
             f"--data.init_args.batch_size={8 // processes}", "--data.init_args.num_workers=0",
-            "--trainer.max_epochs=2", "--trainer.gradient_clip_val=0.5",
-            "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={folder / 'runs'}",
+            "--trainer.max_epochs=2", "--trainer.gradient_clip_val=0.5", "--trainer.log_every_n_steps=1",
+            f"--trainer.default_root_dir={folder / 'runs'}",
             "--trainer.enable_progress_bar=false",
             "--trainer.callbacks+=tests.helpers.DumpParams", f"--trainer.callbacks.folder={folder / 'params'}",
         ]
         if processes == 2:
-            out = run_mmssl(args, folder, timeout=240)
+            out = run_mmssl(args, folder, timeout=300)
             assert out.returncode == 0, out.stdout[-3000:]
             assert "world_size=2" in out.stdout and "global_batch_size=8" in out.stdout
         else:
             run_one_process(args)
         params = [torch.load(folder / "params" / f"rank{r}.pt") for r in range(processes)]
-        for name in params[0]:  # DDP ranks end identical, chunking or not
+        for name in params[0]:
             torch.testing.assert_close(params[-1][name], params[0][name], rtol=0, atol=0, msg=name)
         runs[processes] = (params[0], last_metrics(folder / "runs" / "version_0", ("val/", "train/", "epoch")))
     (two, two_metrics), (one, one_metrics) = runs[2], runs[1]
     assert two_metrics["epoch"] == one_metrics["epoch"] == 1
-    assert {"val/loss", "val/zero_shot_top1", "val/i2t_R@1", "train/loss"} <= two_metrics.keys()
+    assert {"train/logits_loss", "train/features_loss", "val/loss", "val/zero_shot_top1"} <= two_metrics.keys()
     # (val/loss is an in-batch loss: batches of 4 per rank against 8 in one process differ by design)
+    # (train/* are rank 0's own shares, logged unreduced; the weights below carry the whole loss)
     for key in ("val/zero_shot_top1", "val/zero_shot_top5", "val/i2t_R@1", "val/i2t_R@5", "val/t2i_R@5"):
         assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-4, abs=1e-5), key
+    assert "distiller.projection.weight" in one
     for name, value in one.items():
         torch.testing.assert_close(two[name], value, rtol=1e-4, atol=1e-5, msg=name)
-    # Both trained: one optimizer step per epoch.
-    for processes in (1, 2):
+    for processes in (1, 2):  # both trained: one optimizer step per epoch
         (last,) = (tmp_path / f"p{processes}" / "runs").glob("version_0/checkpoints/last.ckpt")
-        assert read_checkpoint(str(last))["global_step"] == 2
+        checkpoint = read_checkpoint(str(last))
+        assert checkpoint["global_step"] == 2 and checkpoint["teacher"]["path"] == str(teacher)
+        assert not any("teacher" in k for k in checkpoint["state_dict"])
