@@ -205,3 +205,27 @@ def test_the_clip_benchmark_peer_runs_cuda_code_on_the_cpu():
 
     peer["patch_linear_probe"]()
     assert cli.linear_probe.evaluate.__wrapped__.__module__ == "clip_benchmark.metrics.linear_probe"
+
+
+def test_the_side_by_side_benchmark_scores_both_probes_against_clip_benchmarks(sets, tmp_path):
+    """benchmarks/eval_suite.py: its suite file is one the suite accepts, with CLIP_benchmark's
+    probe recipe and CLIP A.3's, and each is set against CLIP_benchmark's linear_probe figure."""
+    bench = runpy.run_path(str(REPO / "benchmarks" / "eval_suite.py"), run_name="not_main")
+    root = tmp_path / "wds" / "toy"
+    _labelled(root / "train", 8)  # two shards: one trains, one is the held-out split
+    _labelled(root / "test", 8, classnames=False)
+    name = bench["make_layout"](root, tmp_path / "work", None, 1, None)
+    suite = load_suite(bench["suite_yaml"](tmp_path / "work", [name]))
+    [probe] = [t for t in suite.sets[0].tasks if t.name == "linear_probe"]
+    assert probe.protocols == ("clip", "clip_benchmark")
+    cb, ours = tmp_path / "cb", tmp_path / "ours"
+    cb.mkdir(), ours.mkdir()
+    for task, key, value in (("zeroshot", "acc1", 0.5), ("retrieval", "image_retrieval_recall@1", 0.25),
+                             ("linear_probe", "lp_acc1", 0.195)):
+        (cb / f"toy_{task}.json").write_text(json.dumps({"metrics": {key: value}}))
+    for stem, key, value in (("zero_shot_clip", "acc1", 0.5), ("retrieval_clip", "image_retrieval_recall@1", 0.25),
+                             ("linear_probe_clip_benchmark", "lp_acc1", 0.193), ("linear_probe_clip", "lp_acc1", 0.404)):
+        (ours / f"toy_{stem}.json").write_text(json.dumps({"metrics": {key: value}, "ci95": {key: [0, 1]}}))
+    rows = {(r["task"], r["protocol"]): r["points"] for r in bench["compare_figures"](cb, ours, ["toy"])}
+    assert rows == {("zeroshot", "clip"): 0, ("retrieval", "clip"): 0, ("linear_probe", "clip_benchmark"): -0.2,
+                    ("linear_probe", "clip"): 20.9}
