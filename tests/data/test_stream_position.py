@@ -6,12 +6,11 @@ Planning needs only the shard sizes, so the specs here are built without files (
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from mmssl.data.pipeline import EpochRun, ShardStream, StreamSpec, plan_stream
 from mmssl.data.plan import Generation, Topology
+from mmssl.data import state
 from mmssl.data.state import EpochLoader, StreamPosition
 
 SIZES = (9, 7, 8, 6, 10, 5, 7, 8, 4)  # 64 samples
@@ -142,22 +141,16 @@ def test_a_restarted_position_reads_the_trainers_epoch_from_its_beginning():
         assert position.start(0, spec) == EpochRun(0, spec.plan(0) if spec.exact else None)
 
 
-def _elastic(spec: StreamSpec, caplog=None) -> StreamPosition:
-    """``SAVED`` (2 ranks x 2 workers, 3 batches each) loaded on ``spec``'s other topology."""
-    if caplog is None:
-        return _loaded(SAVED, spec)
-    with caplog.at_level(logging.INFO):
-        return _loaded(SAVED, spec)
-
-
-def test_an_elastic_load_records_the_old_generation_and_says_what_remains(caplog):
+def test_an_elastic_load_records_the_old_generation_and_says_what_remains(monkeypatch):
     spec = _spec(world=1, batch=4)  # 1 rank x 2 workers x batch 4
-    position = _elastic(spec, caplog)
+    messages: list[str] = []
+    monkeypatch.setattr(state, "rank_zero_info", messages.append)
+    position = _loaded(SAVED, spec)
     history = [Generation(Topology(**TOPOLOGY), ((7, 3), (6, 5)))]
     assert position.history == history
     plan = spec.plan(0, history)
     assert (plan.total, plan.rank_batches, plan.left_out) == (39, 9, 3)
-    assert [r.getMessage() for r in caplog.records if "elastic" in r.getMessage()] == [
+    assert messages == [
         "data: elastic resume of epoch 0 from 2 ranks x 2 workers x batch 3 to 1 x 2 x 4: 39 samples remain, "
         "9 batches per rank read 36 of them, 3 are left out; none consumed is read again"]
     saved = {**SAVED, "batches": [0, 0], "raw": [[0, 0]], "topology": {**TOPOLOGY, "world": 1, "batch": 4},
@@ -175,7 +168,7 @@ def test_an_elastic_load_records_the_old_generation_and_says_what_remains(caplog
 
 def test_an_elastic_generation_resumed_at_its_end_reads_the_next_epoch():
     spec = _spec(world=1, batch=4)
-    position = _elastic(spec)
+    position = _loaded(SAVED, spec)
     plan = spec.plan(0, position.history)
     position.start(0, spec)
     for b in range(plan.rank_batches):  # the whole new generation: fewer batches than a fresh epoch's
@@ -192,7 +185,7 @@ def test_a_position_plans_an_epoch_once_and_again_when_it_changes(monkeypatch):
     monkeypatch.setattr(StreamSpec, "plan", lambda self, epoch, history=(): calls.append((epoch, len(history)))
                         or plan(self, epoch, history))
     spec = _spec(world=1)
-    position = _elastic(spec)
+    position = _loaded(SAVED, spec)
     for _ in range(2):
         position.epoch_to_read(0, spec)
         position.continues(0, spec)
