@@ -156,6 +156,8 @@ def test_an_elastic_load_records_the_old_generation_and_says_what_remains(monkey
     saved = {**SAVED, "batches": [0, 0], "raw": [[0, 0]], "topology": {**TOPOLOGY, "world": 1, "batch": 4},
              "offset": 3, "history": [{"topology": TOPOLOGY, "raw": [[7, 3], [6, 5]]}]}
     assert position.state_dict() == saved
+    # Saved before a batch of the new generation (no batch this generation, the old one's in history).
+    assert _loaded(saved, spec).state_dict() == saved
     # The 3 batches of the old generation count towards the epoch; the new one starts at worker 0.
     assert position.start(0, spec) == EpochRun(0, plan, 1, 3, 0, {0: (0, 0), 1: (0, 0)})
     # Saved again after 2 batches of the new generation and resumed on its topology: it goes on.
@@ -164,6 +166,11 @@ def test_an_elastic_load_records_the_old_generation_and_says_what_remains(monkey
     again = _loaded(position.state_dict(), spec)
     assert again.state_dict() == {**saved, "batches": [1, 1], "raw": [[5, 4]]}
     assert again.start(0, spec) == EpochRun(0, plan, 1, 3, 0, {0: (1, 5), 1: (1, 4)})
+    # And resumed on a third topology: the 3 + 2 batches of the two earlier generations count.
+    third = _spec(world=2, workers=1)
+    twice = _loaded(position.state_dict(), third)
+    assert twice.history == history + [Generation(Topology(1, 2, 4, 5), ((5, 4),))]
+    assert twice.start(0, third) == EpochRun(0, third.plan(0, twice.history), 2, 5, 0, {0: (0, 0)})
 
 
 def test_an_elastic_generation_resumed_at_its_end_reads_the_next_epoch():
