@@ -119,3 +119,12 @@ def test_a_checkpoint_between_checks_keeps_the_counts_exact_and_the_stop_pending
     with pytest.raises(RuntimeError, match=r"NaN/inf for 2 steps in a row \(the limit is 2; step 5,"):
         trainer.fit(model)  # the run of steps 1-2 ended before the checkpoint; the read at step 6 stops
     assert saver.saved == {"skipped": 2, "consecutive": 0}
+
+
+def test_a_restored_guard_counts_on_from_the_checkpoint():
+    # The run of skipped steps a checkpoint recorded goes on after the resume (synchronous path).
+    guard = NonFiniteGuard(max_consecutive=3)
+    guard.load_state_dict({"skipped": 4, "consecutive": 2})
+    assert guard.state_dict() == {"skipped": 4, "consecutive": 2}
+    with pytest.raises(RuntimeError, match=r"NaN/inf for 3 steps in a row \(the limit is 3; step 0, 5 skipped in all\)"):
+        _trainer(guard, 4).fit(_Poisoned({0}))
