@@ -141,3 +141,9 @@ def test_the_fused_path_stops_at_the_end_of_training_when_no_check_came_after_th
     guard = NonFiniteGuard(max_consecutive=2, check_every_n_steps=100)
     with pytest.raises(RuntimeError, match=r"NaN/inf for 2 steps in a row \(the limit is 2; step 4, 2 skipped in all\)"):
         _trainer(guard, 4).fit(_Poisoned({2, 3}, fused=True))
+
+
+def test_the_fused_path_logs_the_skipped_count_at_its_checks():
+    trainer = _trainer(NonFiniteGuard(max_consecutive=3, check_every_n_steps=2), 4)
+    trainer.fit(_Poisoned({0, 2}, fused=True))
+    assert trainer.callback_metrics["train/nonfinite_skipped"].item() == 2.0
