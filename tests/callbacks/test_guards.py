@@ -147,3 +147,12 @@ def test_the_fused_path_logs_the_skipped_count_at_its_checks():
     trainer = _trainer(NonFiniteGuard(max_consecutive=3, check_every_n_steps=2), 4)
     trainer.fit(_Poisoned({0, 2}, fused=True))
     assert trainer.callback_metrics["train/nonfinite_skipped"].item() == 2.0
+
+
+def test_a_step_without_gradients_counts_as_finite_on_the_fused_path():
+    # A rank whose batch reached no parameter still takes part (its flag is a zero on the device).
+    model, guard = _Poisoned(set(), fused=True), NonFiniteGuard(check_every_n_steps=1)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    trainer = _trainer(guard, 1)
+    guard.on_before_optimizer_step(trainer, model, optimizer)
+    assert guard.host_reads == 1 and guard.skipped == 0 and guard.consecutive == 0
