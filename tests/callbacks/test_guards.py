@@ -119,3 +119,63 @@ def test_a_checkpoint_between_checks_keeps_the_counts_exact_and_the_stop_pending
     with pytest.raises(RuntimeError, match=r"NaN/inf for 2 steps in a row \(the limit is 2; step 5,"):
         trainer.fit(model)  # the run of steps 1-2 ended before the checkpoint; the read at step 6 stops
     assert saver.saved == {"skipped": 2, "consecutive": 0}
+
+
+def test_a_restored_guard_counts_on_from_the_checkpoint():
+    # The run of skipped steps a checkpoint recorded goes on after the resume (synchronous path).
+    guard = NonFiniteGuard(max_consecutive=3)
+    guard.load_state_dict({"skipped": 4, "consecutive": 2})
+    assert guard.state_dict() == {"skipped": 4, "consecutive": 2}
+    with pytest.raises(RuntimeError, match=r"NaN/inf for 3 steps in a row \(the limit is 3; step 0, 5 skipped in all\)") as stop:
+        _trainer(guard, 4).fit(_Poisoned({0}))
+    assert str(stop.value).endswith(". Lower the learning rate, raise warm-up, or check the data; the last good "
+                                    "checkpoint is untouched.")
+
+
+def test_a_limit_of_one_lets_a_clean_run_finish():
+    # The end-of-training read finds no device counts on the synchronous path: nothing was skipped.
+    guard = NonFiniteGuard(max_consecutive=1)
+    _trainer(guard, 3).fit(_Poisoned(set()))
+    assert guard.skipped == 0 and guard.consecutive == 0
+
+
+def test_the_fused_path_stops_at_the_end_of_training_when_no_check_came_after_the_run():
+    guard = NonFiniteGuard(max_consecutive=2, check_every_n_steps=100)
+    with pytest.raises(RuntimeError, match=r"NaN/inf for 2 steps in a row \(the limit is 2; step 4, 2 skipped in all\)"):
+        _trainer(guard, 4).fit(_Poisoned({2, 3}, fused=True))
+
+
+def test_the_fused_path_logs_the_skipped_count_at_its_checks():
+    trainer = _trainer(NonFiniteGuard(max_consecutive=3, check_every_n_steps=2), 4)
+    trainer.fit(_Poisoned({0, 2}, fused=True))
+    assert trainer.callback_metrics["train/nonfinite_skipped"].item() == 2.0
+
+
+def test_a_step_without_gradients_counts_as_finite_on_the_fused_path():
+    # A rank whose batch reached no parameter still takes part (its flag is a zero on the device).
+    model, guard = _Poisoned(set(), fused=True), NonFiniteGuard(check_every_n_steps=1)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    trainer = _trainer(guard, 1)
+    guard.on_before_optimizer_step(trainer, model, optimizer)
+    assert guard.host_reads == 1 and guard.skipped == 0 and guard.consecutive == 0
+
+
+def test_the_limits_default_to_five_and_logging_steps_accept_one_and_refuse_zero():
+    guard = NonFiniteGuard()
+    assert (guard.max_consecutive, guard.check_every_n_steps) == (5, None)
+    assert guard.state_dict() == {"skipped": 0, "consecutive": 0}
+    NonFiniteGuard(max_consecutive=1, check_every_n_steps=1)
+    with pytest.raises(ValueError, match=r"^--nonfinite_guard.max_consecutive must be >= 1, got 0$"):
+        NonFiniteGuard(max_consecutive=0)
+    with pytest.raises(ValueError, match=r"^--nonfinite_guard.check_every_n_steps must be >= 1 or null, got 0$"):
+        NonFiniteGuard(check_every_n_steps=0)
+
+
+def test_each_path_logs_the_skipped_count_by_default_on_logging_steps():
+    for fused in (False, True):
+        guard = NonFiniteGuard()
+        trainer = pl.Trainer(max_steps=4, callbacks=[guard], logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2)
+        trainer.fit(_Poisoned({0}, fused=fused))
+        assert trainer.callback_metrics["train/nonfinite_skipped"].item() == 1.0, fused
+        assert guard.host_reads == (3 if fused else 0)  # steps 2 and 4 log, and the end of training
