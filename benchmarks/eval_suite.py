@@ -115,20 +115,19 @@ def _timed(commands: list[list[str]], env: dict, log: Path) -> float:
 
 def compare_figures(cb_out: Path, suite_out: Path, names: list[str]) -> list[dict]:
     """Each figure of both, and the difference in points."""
-    pairs = [("zeroshot", "zero_shot_clip", ["acc1", "acc5", "mean_per_class_recall"]),
-             ("retrieval", "retrieval_clip", [f"{w}_retrieval_recall@{k}" for k in (1, 5, 10) for w in ("image", "text")]),
+    probe = ["lp_acc1", "lp_acc5", "lp_mean_per_class_recall"]
+    pairs = [("zeroshot", "zero_shot", "clip", ["acc1", "acc5", "mean_per_class_recall"]),
+             ("retrieval", "retrieval", "clip", [f"{w}_retrieval_recall@{k}" for k in (1, 5, 10) for w in ("image", "text")]),
              # CLIP_benchmark's probe against the suite's protocol of the same recipe, and against CLIP A.3's
-             ("linear_probe", "linear_probe_clip_benchmark", ["lp_acc1", "lp_acc5", "lp_mean_per_class_recall"]),
-             ("linear_probe", "linear_probe_clip", ["lp_acc1", "lp_acc5", "lp_mean_per_class_recall"])]
+             ("linear_probe", "linear_probe", "clip_benchmark", probe), ("linear_probe", "linear_probe", "clip", probe)]
     rows = []
     for name in names:
-        for cb_task, suite_task, keys in pairs:
+        for cb_task, suite_task, protocol, keys in pairs:
             cb = json.loads((cb_out / f"{name}_{cb_task}.json").read_text())["metrics"]
-            ours = json.loads((suite_out / f"{name}_{suite_task}.json").read_text())
+            ours = json.loads((suite_out / f"{name}_{suite_task}_{protocol}.json").read_text())
             for key in keys:
                 if key in cb and key in ours["metrics"]:
-                    rows.append({"set": name, "task": cb_task, "protocol": suite_task.split("_", 2)[-1] if
-                                 cb_task == "linear_probe" else "clip", "metric": key, "clip_benchmark": cb[key],
+                    rows.append({"set": name, "task": cb_task, "protocol": protocol, "metric": key, "clip_benchmark": cb[key],
                                  "suite": ours["metrics"][key], "ci95": ours["ci95"][key],
                                  "points": round(100 * (ours["metrics"][key] - cb[key]), 3)})
     return rows

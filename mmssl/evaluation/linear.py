@@ -223,20 +223,19 @@ def fit_adamw_cosine(
     _check(features, labels, num_classes)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(features.float(), labels),
                                          batch_size=batch_size, shuffle=True)
-    steps = epochs * len(loader)
+    steps = max(epochs * len(loader), 1)  # LambdaLR evaluates step 0 even when no step runs
     with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
         torch.manual_seed(seed)
         model = nn.Linear(features.shape[1], num_classes)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-        step = 0
+        # its cosine_lr without warm-up: lr at step s is 0.5 * (1 + cos(pi * s / steps)) * lr
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
         for _ in range(epochs):
             for x, y in loader:
-                for group in optimizer.param_groups:
-                    group["lr"] = 0.5 * (1 + math.cos(math.pi * step / steps)) * lr
                 optimizer.zero_grad()
                 F.cross_entropy(model(x), y).backward()
                 optimizer.step()
-                step += 1
+                schedule.step()
     return model.eval()
 
 
