@@ -1,9 +1,13 @@
+import os
+import tempfile
+from types import SimpleNamespace
+
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
 
-from mmssl.callbacks.guards import NonFiniteGuard
+from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 
 
 class _Poisoned(pl.LightningModule):
@@ -103,6 +107,45 @@ def test_sync_free_is_picked_only_where_the_fused_step_takes_the_step_back():
     assert NonFiniteGuard.sync_free(trainer, torch.optim.Adam(w, fused=True))
     assert not NonFiniteGuard.sync_free(trainer, torch.optim.AdamW(w))
     assert not NonFiniteGuard.sync_free(trainer, torch.optim.SGD(w, lr=0.1, momentum=0.9, fused=True))
+    # fp16 mixed precision: the GradScaler steps the optimizer (and skips on inf) itself, so the
+    # guard must not hand the fused step a second skip flag. Lightning's CPU trainer cannot build
+    # a "16-mixed" plugin, hence the plugin's attribute is set by hand.
+    fused = torch.optim.AdamW(w, fused=True)
+    scaled = SimpleNamespace(precision_plugin=SimpleNamespace(scaler=torch.amp.GradScaler("cpu")))
+    assert not NonFiniteGuard.sync_free(scaled, fused)
+    assert NonFiniteGuard.sync_free(SimpleNamespace(precision_plugin=SimpleNamespace(scaler=None)), fused)
+
+
+def test_evaluation_buffer_sync_turns_ddps_broadcast_off_for_validation_and_puts_the_flags_back():
+    """A real DDP wrapper on a 1-rank gloo group in this process (the hang this prevents needs 2
+    ranks: tests/test_ddp.py runs it with one validation shard; here each flag is checked on its own)."""
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already up")
+    sync = EvaluationBufferSync()
+    plain = SimpleNamespace(strategy=SimpleNamespace(model=nn.Linear(3, 3)))
+    sync.on_validation_start(plain, None)  # no DDP wrapper (one device): nothing to do
+    sync.on_validation_end(plain, None)
+    with tempfile.TemporaryDirectory() as root:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(root, 'store')}",
+                                             rank=0, world_size=1)
+        try:
+            ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+            trainer = SimpleNamespace(strategy=SimpleNamespace(model=ddp))
+            ddp(torch.randn(4, 3)).sum().backward()  # a training step: the next forward would broadcast
+            assert (ddp.broadcast_buffers, ddp.require_forward_param_sync) == (True, True)
+            sync.on_validation_start(trainer, None)
+            assert not ddp.will_sync_module_buffers()
+            assert (ddp.broadcast_buffers, ddp.require_forward_param_sync) == (False, True)
+            with torch.no_grad():
+                ddp(torch.randn(4, 3))  # a validation forward rewrites the flag ...
+            assert not ddp.require_forward_param_sync
+            sync.on_validation_end(trainer, None)  # ... and it is put back as training left it
+            assert (ddp.broadcast_buffers, ddp.require_forward_param_sync) == (True, True)
+            ddp.broadcast_buffers = False
+            sync.on_validation_end(trainer, None)  # a second end restores nothing stale
+            assert (ddp.broadcast_buffers, ddp.require_forward_param_sync) == (False, True)
+        finally:
+            torch.distributed.destroy_process_group()
 
 
 def test_a_checkpoint_between_checks_keeps_the_counts_exact_and_the_stop_pending():
