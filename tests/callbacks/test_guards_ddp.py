@@ -1,8 +1,9 @@
 """NonFiniteGuard's sync-free path (fused AdamW) through the real CLI on 2 gloo processes.
 
-Rank 1 alone gets a NaN gradient on two steps; both ranks must skip them (the decision is an
-all-reduce of a device flag, no host read), end with identical weights, and log the skip count of
-a one-process run poisoned on the same steps.
+Rank 1 alone gets a NaN gradient on step 1 and every rank on step 2; both ranks must skip both
+(the decision is an all-reduce of a device flag, no host read: a MAX, so a step bad on two ranks
+counts once), end with identical weights, and log the skip count of a one-process run poisoned on
+the same steps.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def test_fused_skip_is_taken_by_every_rank_and_counted_as_in_one_process(tmp_pat
             "--trainer.max_epochs=1", "--trainer.limit_train_batches=6", "--trainer.log_every_n_steps=3", "--trainer.limit_val_batches=1",
             "--nonfinite_guard.max_consecutive=3",
             "--trainer.callbacks+=guard_helpers.PoisonGrads", f"--trainer.callbacks.rank={processes - 1}",
-            "--trainer.callbacks.steps=[1, 2]",
+            "--trainer.callbacks.steps=[1]", "--trainer.callbacks.every_rank_steps=[2]",
             "--trainer.callbacks+=helpers.DumpParams", f"--trainer.callbacks.folder={folder / 'params'}",
         ]
         if processes == 2:
