@@ -68,7 +68,8 @@ def _check_blocks(blocks: nn.ModuleList, where: str) -> tuple[str, float]:
         name = f"{where} block {i}"
         if not isinstance(block, ResidualAttentionBlock) or not isinstance(block.attn, nn.MultiheadAttention):
             raise NotRepresentable(f"{name}: {type(block).__name__}/{type(getattr(block, 'attn', None)).__name__} "
-                                   "(QK-norm or scaled-cosine attention) is not CLIP's attention block")
+                                   "(open_clip's custom block: QK-norm, scaled-cosine attention, head scaling or "
+                                   "extra norms) is not CLIP's attention block")
         if block.attn.in_proj_weight is None or block.attn.in_proj_bias is None:
             raise NotRepresentable(f"{name}: attention without a fused biased q/k/v projection")
         if not (isinstance(block.ls_1, nn.Identity) and isinstance(block.ls_2, nn.Identity)):
