@@ -82,6 +82,8 @@ def test_the_plan_summary_equals_a_count_over_the_samples(monkeypatch):
     defaults = describe(sizes, topology)
     assert defaults.skipped_reads == describe(sizes, topology, seed=0, epochs=2).skipped_reads
     assert len(defaults.slot_changed) == 1 and defaults.skipped_reads == _oracle(sizes, topology, 0, 2)[0]
+    one = describe(sizes, topology, epochs=1)  # tools/plan_stream.py --epochs 1: nothing to compare
+    assert (one.rank_batches, one.slot_changed, one.rank_changed) == (5, (), ())
     # seconds: the mean time of one epoch's planning, on a clock that ticks 1 s then 3 s
     ticks = iter([10.0, 11.0, 20.0, 23.0])
     monkeypatch.setattr("time.perf_counter", lambda: next(ticks))
@@ -106,6 +108,14 @@ def test_a_slots_shuffle_draws_are_pinned():
     assert ReservoirDraws("0/0/0/0", 8).choices(6).tolist() == [0, 7, 6, 1, 2, 5]
     assert list(ReservoirDraws("s", 2).shuffle(iter(range(6)))) != list(range(6))  # buffer 2 shuffles
     assert list(ReservoirDraws("s", 1).shuffle(iter(range(6)))) == list(range(6))
+
+
+def test_remaining_keeps_ranges_where_no_buffer_holds_samples():
+    pieces = [Piece(0, 3, 9), Piece(2, 1, 9, (1, 4, 8)), Piece(7, 0, 0), Piece(7, 0, 5)]
+    assert remaining(pieces, 0, 4, "t") == [pieces[0], pieces[1], pieces[3]]  # nothing emitted: as planned
+    assert remaining(pieces, 2, 1, "t") == [Piece(0, 5, 9), pieces[1], pieces[3]]  # no shuffle: the rest in order
+    assert remaining(pieces, 7, 1, "t") == [Piece(2, 4, 9, (4, 8)), pieces[3]]
+    assert remaining(pieces, 14, 4, "t") == []
 
 
 @pytest.mark.parametrize("buffer", [2, 3])
