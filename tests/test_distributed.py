@@ -151,3 +151,26 @@ def test_each_rank_draws_its_own_masks_from_the_run_seed():
     assert torch.equal(draws[1], draws[2])  # deterministic from (seed, rank)
     torch.manual_seed(7)
     assert torch.equal(draws[3], torch.rand(4))  # one process keeps its stream
+
+
+def test_gather_inside_a_process_group_of_one_keeps_rows_and_gradients():
+    """The collectives' code path (sizes exchanged, the differentiable all-gather and its backward)
+    in this process, on a gloo group of one rank; the 2-rank fixture above checks the sums over ranks."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already up")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(root, 'store')}", rank=0, world_size=1)
+        try:
+            assert (rank(), world_size()) == (0, 1)
+            g = torch.Generator().manual_seed(3)
+            for same_size in (False, True):
+                x = torch.randn(4, 3, generator=g).t().requires_grad_()  # (3, 4), not contiguous
+                weights = torch.randn(3, 4, generator=g)
+                out = gather_with_grad(x, same_size=same_size)
+                assert out is not x and torch.equal(out, x)
+                (out * weights).sum().backward()
+                assert torch.equal(x.grad, weights), same_size  # one rank: its own gradient, once
+        finally:
+            dist.destroy_process_group()
