@@ -1,9 +1,10 @@
-"""``--format hf`` refuses, naming the part, every open_clip tower ``transformers.CLIPModel`` has no
-place for (a silent export would load with missing or ignored weights and different outputs).
+"""``--format hf`` in process: it refuses, naming the part, every open_clip tower
+``transformers.CLIPModel`` has no place for (a silent export would load with missing or ignored
+weights and different outputs), and the config it writes states the model's own values.
 
-Each case is a tiny open_clip CLIP with one unrepresentable part, checked in process through
+Each refusal case is a tiny open_clip CLIP with one unrepresentable part, checked through
 :func:`mmssl.export.hf.check_representable` (``tests/test_export_formats.py`` runs the tool's
-refusal end to end, and the round trip of the representable towers).
+refusal end to end, and the round trip of the default towers through ``from_pretrained``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from open_clip.transformer import QuickGELU
 from torch import nn
 
-from mmssl.export.hf import NotRepresentable, check_representable, hf_config
+from mmssl.export.hf import NotRepresentable, check_representable, hf_config, hf_state_dict
 
 VISION = {"image_size": 32, "layers": 2, "width": 32, "head_width": 16, "patch_size": 8}
 TEXT = {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2}
@@ -94,3 +95,69 @@ def test_a_text_tower_that_is_not_open_clips_transformer_is_refused(base):
         m.text = nn.Linear(2, 2)
     assert _refused(_edited(custom, foreign)).startswith(
         "the text tower is a Linear (e.g. an HF text model), not open_clip's TextTransformer")
+
+
+def test_image_towers_clipmodel_cannot_hold_are_refused_with_the_reason(base):
+    def timm_tower(m):
+        m.visual = nn.Identity()
+    assert _refused(_edited(base, timm_tower)) == (
+        "the image tower is a Identity (a timm or ResNet tower), not open_clip's VisionTransformer; "
+        "export it with --format open_clip_hf (or --format open_clip) instead")
+    assert _refused(_clip({"no_ln_pre": True})) == (
+        "image tower without ln_pre or with a patch-embedding bias (CLIPModel has a pre-norm, no bias)")
+
+    def conv_bias(m):
+        m.visual.conv1.bias = nn.Parameter(torch.zeros(32))
+    assert _refused(_edited(base, conv_bias)).startswith("image tower without ln_pre or with a patch-embedding bias")
+    projection = "or an image projection that is not a plain matrix"
+    assert _refused(_clip({"image_size": (32, 48)})) == f"non-square images (32, 48) {projection}"
+
+    def no_proj(m):
+        m.visual.proj = None
+    assert _refused(_edited(base, no_proj)) == f"non-square images (32, 32) {projection}"
+
+    def tensor_proj(m):
+        proj = m.visual.proj.detach()
+        del m.visual.proj
+        m.visual.register_buffer("proj", proj)
+    assert _refused(_edited(base, tensor_proj)) == f"non-square images (32, 32) {projection}"
+    check_representable(_clip({"image_size": (32, 32)}))  # a square tuple is a square image
+
+
+def test_the_config_states_the_models_values_not_transformers_defaults():
+    eps = {"norm_kwargs": {"eps": 1e-6}}  # not CLIPConfig's default 1e-5
+    model = _clip({**eps, "patch_size": 4, "mlp_ratio": 2.0}, {**eps, "context_length": 12, "mlp_ratio": 3.0})
+    with torch.no_grad():
+        model.logit_scale.fill_(3.0)
+    assert hf_config(model) == {
+        "projection_dim": 24, "logit_scale_init_value": 3.0,
+        "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                          "image_size": 32, "patch_size": 4, "num_channels": 3, "hidden_act": "gelu",
+                          "layer_norm_eps": 1e-6, "projection_dim": 24},
+        "text_config": {"vocab_size": 49408, "hidden_size": 32, "intermediate_size": 96, "num_hidden_layers": 2,
+                        "num_attention_heads": 2, "max_position_embeddings": 12, "hidden_act": "gelu",
+                        "layer_norm_eps": 1e-6, "projection_dim": 24,
+                        "bos_token_id": 49406, "eos_token_id": 49407, "pad_token_id": 49407},
+    }
+
+
+def test_a_linear_text_projection_and_tuple_image_size_load_into_clipmodel_with_equal_outputs():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    biased = open_clip.CustomTextCLIP(embed_dim=24, vision_cfg=VISION, text_cfg={**TEXT, "proj_bias": True})
+    assert _refused(biased) == "text projection with a bias (CLIPModel's has none)"
+    model = open_clip.CustomTextCLIP(embed_dim=24, vision_cfg={**VISION, "image_size": (32, 32)}, text_cfg=TEXT).eval()
+    del model.text.text_projection  # open_clip builds a Linear only with a bias; by hand here
+    model.text.text_projection = nn.Linear(32, 24, bias=False)
+    config = hf_config(model)
+    assert config["vision_config"]["image_size"] == 32
+    hf = transformers.CLIPModel(transformers.CLIPConfig(**config)).eval()
+    hf.load_state_dict(hf_state_dict(model), strict=True)
+    tokens = torch.tensor([[49406, 320, 1929, 49407] + [0] * 12])
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        text = hf.get_text_features(input_ids=tokens, attention_mask=(tokens > 0).long())
+        image = hf.get_image_features(pixel_values=images)
+        text, image = (getattr(x, "pooler_output", x) for x in (text, image))  # transformers 5: an output object
+        torch.testing.assert_close(text, model.encode_text(tokens), rtol=0, atol=1e-5)
+        torch.testing.assert_close(image, model.encode_image(images), rtol=0, atol=1e-5)
