@@ -66,3 +66,21 @@ def test_top5_is_reported_from_five_classes_on(classes, keys):
 def test_metrics_live_on_the_requested_device():
     # The meta device stands in for a GPU: the metrics' states must follow the model's device.
     assert {m.device.type for m in zero_shot_metrics(8, torch.device("meta")).values()} == {"meta"}
+
+
+def test_prompt_ensembling_averages_each_prompts_unit_embedding():
+    """CLIP's recipe: normalise each prompt's embedding, average per class, normalise again, so a
+    prompt whose raw embedding is long does not outvote the others."""
+    from mmssl.evaluation.zero_shot import build_zero_shot_classifier
+
+    vectors = {"long {c}": [10.0, 0.0, 0.0], "short {c}": [0.0, 1.0, 0.0]}
+    offsets = {"cat": 0.0, "dog": 1.0}
+
+    def tokenizer(prompts):  # a prompt's "tokens" are its embedding: the tower is the identity
+        return torch.tensor([[*vectors[p.split()[0] + " {c}"][:2], offsets[p.split()[1]]] for p in prompts])
+
+    classifier = build_zero_shot_classifier(lambda t: t, tokenizer, ["cat", "dog"], list(vectors), torch.device("cpu"))
+    unit = torch.nn.functional.normalize
+    expected = torch.stack([unit(unit(torch.tensor([10.0, 0, o]), dim=0) + unit(torch.tensor([0, 1.0, o]), dim=0), dim=0)
+                            for o in offsets.values()], dim=1)  # (D, C)
+    torch.testing.assert_close(classifier, expected)
