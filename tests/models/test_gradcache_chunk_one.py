@@ -32,3 +32,10 @@ def test_chunks_of_one_sample_give_the_whole_batch_features_and_gradients():
         torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="model.contrastive_chunk_size must be >= 1, got 0"):
         cached_features(encode, images, tokens, 0)
+
+
+def test_a_batch_with_more_images_than_captions_is_refused_with_both_counts():
+    from mmssl.models.gradcache import cached_features
+
+    with pytest.raises(ValueError, match=r"^cached_features: 4 images but 3 captions$"):
+        cached_features(lambda i, t: (i, t), torch.zeros(4, 3, 2, 2), torch.zeros(3, 5, dtype=torch.long), 2)
