@@ -161,3 +161,17 @@ def test_a_linear_text_projection_and_tuple_image_size_load_into_clipmodel_with_
         text, image = (getattr(x, "pooler_output", x) for x in (text, image))  # transformers 5: an output object
         torch.testing.assert_close(text, model.encode_text(tokens), rtol=0, atol=1e-5)
         torch.testing.assert_close(image, model.encode_image(images), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("text, pool", [({"no_causal_mask": True}, "argmax"), ({"pool_type": "last"}, "last"),
+                                        ({"embed_cls": True, "pool_type": "last"}, "last")])
+def test_text_towers_cliptextmodel_cannot_hold_are_refused_with_the_pooling(text, pool):
+    assert _refused(_clip(text=text)) == (f"text tower without the causal mask, with a class token or pooled by {pool!r}: "
+                                          "CLIPTextModel is causal and pools the end-of-text token")
+
+
+def test_a_text_vocabulary_other_than_open_clips_bpe_is_refused():
+    assert _refused(_clip(text={"vocab_size": 1000})) == (
+        "text vocabulary of 1000 tokens: the tokenizer files are open_clip's BPE vocabulary of 49408")
+    custom = open_clip.CustomTextCLIP(embed_dim=24, vision_cfg=VISION, text_cfg={**TEXT, "embed_cls": True})
+    assert _refused(custom).startswith("text tower without the causal mask, with a class token")
