@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -32,7 +33,9 @@ import yaml
 
 from mmssl.callbacks.rng_state import RNGState, collect_rng_states, set_rng_states
 from mmssl.cli import ContinuedCSVLogger, main, resume_checkpoint
+from mmssl.data.demo import DemoData
 from tests.cli_runs import last_metrics
+from tests.data.shard_helpers import write_shards_with_bad
 
 REPO = Path(__file__).resolve().parents[1]
 MICRO_CLIP = str(REPO / "configs" / "models" / "clip_micro.json")
@@ -69,10 +72,12 @@ def _launch(args: list[str], cwd: Path, timeout: float, ranks: int = 1) -> list[
     return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs)]
 
 
-def _config(tmp_path: Path, root: Path, demo_root: str, batch_size: int, workers: int, max_steps: int,
-            tune_steps: int = 0) -> list[str]:
+def _config(tmp_path: Path, root: Path, demo: DemoData, batch_size: int, workers: int, max_steps: int,
+            tune_steps: int = 0, data: Optional[dict] = None) -> list[str]:
     """CLI arguments of the demo CLIP recipe shrunk to seconds, checkpointing every step; the
-    last ``tune_steps`` steps are FLIP's unmasked tuning phase (2 warm-up steps, 1% LR)."""
+    last ``tune_steps`` steps are FLIP's unmasked tuning phase (2 warm-up steps, 1% LR). ``data``:
+    data-module arguments in place of the demo's training and validation sets (zero-shot still
+    scores the demo's labelled split)."""
     overrides = {
         "trainer": {
             "max_steps": max_steps, "log_every_n_steps": 1, "enable_progress_bar": False,
@@ -93,13 +98,14 @@ def _config(tmp_path: Path, root: Path, demo_root: str, batch_size: int, workers
                 # its average, update count and last update step resume exactly too.
                 {"class_path": "mmssl.callbacks.EMA",
                  "init_args": {"decay": 0.8, "warmup_power": 0.75, "update_every_n_steps": 2, "evaluate": "both"}},
-                {"class_path": "mmssl.callbacks.ZeroShot"},  # scored for both sets of weights
+                {"class_path": "mmssl.callbacks.ZeroShot",  # scored for both sets of weights
+                 "init_args": {"data": demo.eval_dir}},
             ],
         },
         "model": {"init_args": {"model_name": MICRO_CLIP, "warmup_steps": 2, "image_mask_ratio": 0.5,
                                 "unmasked_tune_steps": tune_steps, "unmasked_tune_warmup_steps": 2}},
-        "data": {"init_args": {"demo_dir": demo_root, "batch_size": batch_size, "num_workers": workers,
-                               "crop_scale": [0.5, 1.0], "hflip": True}},
+        "data": {"init_args": {**(data or {"demo_dir": demo.root}), "batch_size": batch_size,
+                               "num_workers": workers, "crop_scale": [0.5, 1.0], "hflip": True}},
     }
     path = tmp_path / f"{root.name}.yaml"
     path.write_text(yaml.safe_dump(overrides))
@@ -167,7 +173,7 @@ def single(tmp_path_factory, tiny_demo) -> dict:
     torch.set_num_threads(1)  # as in the killed subprocess (OMP_NUM_THREADS=1): same float sums
 
     def args(root: Path) -> list[str]:  # 64 samples, batch 8: 8 steps an epoch; validation on
-        return _config(tmp_path, root, tiny_demo.root, batch_size=8, workers=2, max_steps=13, tune_steps=4)
+        return _config(tmp_path, root, tiny_demo, batch_size=8, workers=2, max_steps=13, tune_steps=4)
 
     reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     boundary, validated = tmp_path / "boundary", tmp_path / "validated"
@@ -245,24 +251,37 @@ def test_sigkilled_run_resumes_at_epoch_boundary_exactly(single, saved):
     _assert_same_params(run, reference)
 
 
-def test_two_process_run_resumes_mid_epoch_exactly(tmp_path, tiny_demo):
-    # 2 ranks, loading in the training process, batch 8: 4 steps an epoch; validation after epoch 0.
+def test_two_process_run_resumes_mid_epoch_exactly_after_uneven_bad_samples(tmp_path, tiny_demo):
+    # 2 ranks, loading in the training process, validation after epoch 0. 40 good samples in 4
+    # shards, 4 broken JPEGs leading shard 1 and 1 leading shard 3: 45 raw samples, 5 steps an
+    # epoch at batch 4 x 2 ranks, and the ranks' raw-sample counts differ mid-epoch, so each rank
+    # must continue from its own count in the checkpoint.
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_shards_with_bad(shards, [10, 10, 10, 10], {1: 4, 3: 1})
+    data = {"train_data": str(shards / "{00000..00003}.tar"), "val_data": tiny_demo.val,
+            "shuffle_buffer": 4, "max_bad_fraction": 0.5}
+
     def args(root: Path) -> list[str]:
-        return [*_config(tmp_path, root, tiny_demo.root, batch_size=8, workers=0, max_steps=7),
+        return [*_config(tmp_path, root, tiny_demo, batch_size=4, workers=0, max_steps=7, data=data),
                 "--config", str(REPO / "configs/trainer/ddp_cpu.yaml")]
 
     reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     for out in _launch(args(reference), tmp_path, timeout=150, ranks=2):
         assert out.returncode == 0, out.stdout[-3000:]
-    for out in _launch([*args(killed), *_kill_at(6)], tmp_path, timeout=150, ranks=2):
+    for out in _launch([*args(killed), *_kill_at(4)], tmp_path, timeout=150, ranks=2):
         assert out.returncode == -signal.SIGKILL, out.stdout[-3000:]
     ckpt = torch.load(_last(killed), weights_only=True)
-    assert ckpt["global_step"] == 5 and ckpt["callbacks"]["RNGState"]["torch"].shape[0] == 2  # both ranks'
+    assert ckpt["global_step"] == 3 and ckpt["callbacks"]["RNGState"]["torch"].shape[0] == 2  # both ranks'
+    raw = ckpt["ImageTextDataModule"]["position"]["raw"]
+    assert raw[0] != raw[1], raw  # the uneven case under test
     for out in _launch([*args(killed), "--ckpt_path=last"], tmp_path, timeout=150, ranks=2):
         assert out.returncode == 0, out.stdout[-3000:]
     assert _position(killed) == _position(reference)
     _assert_same_params(killed, reference, ranks=2)
+    # Every logged value once, as uninterrupted: epoch 0's validation (raw and EMA) ran after the resume.
     _assert_same_logs(killed / "version_0", reference / "version_0")
+    assert {"val/loss", "val/loss_ema", "val/zero_shot_top1_ema"} <= set(last_metrics(killed / "version_0"))
 
 
 class _Trainer:

@@ -35,7 +35,7 @@ from mmssl.data.demo import demo_data
 from mmssl.data.options import check_data_options
 from mmssl.data.pipeline import META_KEYS, ShardStream, StreamSpec, plan_stream
 from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources, shard_sizes
-from mmssl.data.state import EpochLoader, StreamPosition
+from mmssl.data.state import EpochLoader, StreamPosition, run_skipped
 from mmssl.data.teacher_embeddings import TeacherEmbeddings
 from mmssl.data.transforms import (OPENAI_MEAN, OPENAI_STD, BatchNormalize, eval_transform, timm_eval_transform,
                                    timm_train_transform, train_sample_transform)
@@ -382,13 +382,15 @@ class ImageTextDataModule(pl.LightningDataModule):
         if self._loaded is not None:  # restored but not yet applied (no training loader built)
             return {"position": self._loaded, "seed": self.seed}
         trainer = self.trainer
-        raw_per_rank = None
+        raw_per_rank, skipped = None, None
         if trainer is not None and trainer.world_size > 1:
             # Called on every rank while the checkpoint is dumped; each rank's workers consumed
-            # different raw counts, so gather them all (rank 0 writes the file).
-            raw = torch.tensor(self.position.raw, device=trainer.strategy.root_device)
-            raw_per_rank = trainer.strategy.all_gather(raw).cpu().tolist()
-        return {"position": self.position.state_dict(raw_per_rank), "seed": self.seed}
+            # different raw counts and skipped different samples, so gather them all (rank 0
+            # writes the file): the raw counts per rank, the skipped ones as the run's total.
+            local = torch.tensor([*self.position.raw, self.position.skipped], device=trainer.strategy.root_device)
+            gathered = trainer.strategy.all_gather(local).cpu()
+            raw_per_rank, skipped = gathered[:, :-1].tolist(), int(gathered[:, -1].sum())
+        return {"position": self.position.state_dict(raw_per_rank, skipped), "seed": self.seed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the position saved by :meth:`state_dict`; applied when the training loader is built."""
@@ -396,6 +398,6 @@ class ImageTextDataModule(pl.LightningDataModule):
             rank_zero_warn(f"the data position was saved with data.seed={state_dict['seed']}, this run has "
                            f"data.seed={self.seed}: the data stream restarts epoch "
                            f"{state_dict['position'].get('epoch')} from its beginning")
-            self.position.skipped = int(state_dict["position"].get("skipped", 0))
+            self.position.skipped = run_skipped(state_dict["position"], self._rank_world()[0])
             return
         self._loaded = state_dict["position"]

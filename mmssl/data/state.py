@@ -24,6 +24,12 @@ from mmssl.data.pipeline import EpochRun, ShardStream, StreamSpec
 from mmssl.data.plan import EpochPlan, Generation, Topology
 
 
+def run_skipped(state: dict[str, Any], rank: int) -> int:
+    """This rank's share of a saved position's ``skipped`` (the run's total over all ranks): rank
+    0 carries it, the others start from 0, so the sum every rank logs continues on any topology."""
+    return int(state.get("skipped", 0)) if rank == 0 else 0
+
+
 class StreamPosition:
     """The checkpointed position of one rank's training stream.
 
@@ -34,7 +40,8 @@ class StreamPosition:
         offset: batches each rank served this epoch in those earlier generations.
         batches: per worker, batches handed to the model this epoch (current generation).
         raw: per worker, raw samples consumed for those batches.
-        skipped: bad samples and unreadable shard parts skipped so far in the run (this rank).
+        skipped: bad samples and unreadable shard parts this rank skipped so far in the run (after a
+            resume, rank 0 also carries the total of the run before it: :func:`run_skipped`).
         samples: samples per epoch of the data set the position refers to (exact mode).
     """
 
@@ -121,13 +128,13 @@ class StreamPosition:
         self.raw[worker] = raw
         self.skipped += skipped
 
-    def state_dict(self, raw_per_rank: Optional[list[list[int]]] = None) -> dict[str, Any]:
+    def state_dict(self, raw_per_rank: Optional[list[list[int]]] = None, skipped: Optional[int] = None) -> dict[str, Any]:
         """The position; ``raw_per_rank`` holds every rank's ``raw`` (all ranks in lockstep share
-        ``epoch`` and ``batches``), defaulting to this rank's alone."""
+        ``epoch`` and ``batches``) and ``skipped`` all ranks' total, defaulting to this rank's alone."""
         topology = None if self.topology is None else vars(self.topology).copy()
         return {"epoch": self.epoch, "batches": list(self.batches),
                 "raw": raw_per_rank if raw_per_rank is not None else [list(self.raw)],
-                "skipped": self.skipped, "topology": topology, "offset": self.offset,
+                "skipped": self.skipped if skipped is None else skipped, "topology": topology, "offset": self.offset,
                 "samples": self.samples,
                 "history": [{"topology": vars(g.topology).copy(), "raw": [list(r) for r in g.raw]}
                             for g in self.history]}
@@ -138,7 +145,7 @@ class StreamPosition:
         Where the rest of the epoch cannot be read exactly (resampled mode on another topology, a
         checkpoint without its topology, shards of another size), the epoch restarts with a warning.
         """
-        self.skipped, self.resumed = int(state.get("skipped", 0)), True
+        self.skipped, self.resumed = run_skipped(state, spec.rank), True
         self.epoch, self.batches, self.raw, self.offset = int(state["epoch"]), [], [], 0
         self.topology, self.history = None, []
         raw, batches = state.get("raw", []), list(state.get("batches", []))

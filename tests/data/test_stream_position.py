@@ -71,8 +71,10 @@ def test_each_rank_loads_its_own_counts_and_saves_them_back_unchanged():
         spec = _spec(rank)
         position = _loaded(SAVED, spec)
         assert (position.epoch, position.batches, position.raw) == (0, [2, 1], SAVED["raw"][rank])
-        assert (position.topology, position.skipped, position.samples) == (spec.topology, 1, 64)
-        assert position.state_dict(SAVED["raw"]) == SAVED  # a checkpoint right after the load
+        # ``skipped`` is the run's total over the ranks: rank 0 carries it, so the ranks' sum (what
+        # data/skipped logs, and the next checkpoint holds) continues from it, counted once.
+        assert (position.topology, position.skipped, position.samples) == (spec.topology, 1 - rank, 64)
+        assert position.state_dict(SAVED["raw"], skipped=1) == SAVED  # a checkpoint right after the load
         # 3 batches went round-robin from worker 0: worker 1 serves next.
         assert position.start(0, spec) == EpochRun(0, spec.plan(0), 0, 0, 1, {0: (2, SAVED["raw"][rank][0]),
                                                                              1: (1, SAVED["raw"][rank][1])})
