@@ -159,8 +159,6 @@ def read_state_dict(path: str, ema: bool = False) -> dict[str, torch.Tensor]:
     if ema:
         raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this file is no "
                          "Lightning checkpoint (no 'state_dict')")
-    for key in ("state_dict", "model"):
-        if isinstance(state.get(key), dict):
-            state = state[key]
-            break
+    if isinstance(state.get("model"), dict):  # an MAE release (main_pretrain.py's save_model)
+        state = state["model"]
     return strip_ddp(state)
