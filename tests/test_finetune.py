@@ -6,6 +6,7 @@ The labelled shards are written here: four colour classes of noisy 16x16 PNGs, w
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 from pathlib import Path
@@ -90,3 +91,34 @@ def test_finetune_learns_and_validate_reproduces_its_figures(labelled, tmp_path)
     again = cli_main(["validate", *common, f"--ckpt_path={runs[-1] / 'checkpoints' / 'last.ckpt'}"])
     for key in ("val/top1", "val/loss"):
         assert float(again.trainer.callback_metrics[key]) == pytest.approx(fitted[key], rel=1e-5), key
+
+
+def test_the_long_fashion_mnist_stack_keeps_the_recipe_and_scores_the_ema(labelled, tmp_path, capsys):
+    """configs/finetune/fashion_mnist_long.yaml (the 30-epoch run of docs/results.md) stacks onto
+    the fine-tuning recipe: its schedule, the light augmentation and the EMA, the recipe's other
+    values kept; a short run through it scores the EMA beside the raw weights after each epoch."""
+    stack = ["--config", str(CONFIGS / "fashion_mnist.yaml"), "--config", str(CONFIGS / "fashion_mnist_long.yaml")]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", *stack, "--print_config"])
+    assert exit_info.value.code == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    model, data, trainer = cfg["model"]["init_args"], cfg["data"]["init_args"], cfg["trainer"]
+    assert (trainer["max_steps"], trainer["max_epochs"], trainer["val_check_interval"]) == (30 * (60000 // 128), 30, 1.0)
+    assert model["warmup_steps"] == round(0.05 * trainer["max_steps"])
+    assert (model["mixup"], model["cutmix"], data["train_augment"]) == (0.0, 0.0, None)
+    assert (model["blr"], model["layer_decay"], model["label_smoothing"], model["drop_path_rate"]) == (2e-3, 0.75, 0.1, 0.1)
+    assert (data["crop_scale"], data["hflip"], data["batch_size"]) == ([0.5, 1.0], True, 128)
+    callbacks = {c["class_path"].rsplit(".", 1)[-1]: c.get("init_args", {}) for c in trainer["callbacks"]}
+    assert set(callbacks) == {"ModelCheckpoint", "LearningRateMonitor", "EMA"} and callbacks["ModelCheckpoint"]["save_last"]
+    assert (callbacks["EMA"]["decay"], callbacks["EMA"]["warmup_power"], callbacks["EMA"]["evaluate"]) == (0.999, 0.75, "both")
+
+    train, val = labelled  # 96 training samples: 6 steps of 16 an epoch
+    cli = cli_main(["fit", *stack, *TINY, f"--data.init_args.train_data={train}", f"--data.init_args.val_data={val}",
+                    "--trainer.max_steps=12", "--trainer.max_epochs=2", "--model.init_args.warmup_steps=2",
+                    "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={tmp_path / 'runs'}"])
+    assert cli.trainer.global_step == 12
+    [run] = sorted((tmp_path / "runs").glob("version_*"))
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    scored = [(r["step"], r["val/top1"], r["val/top1_ema"]) for r in rows if r.get("val/top1") and r.get("val/top1_ema")]
+    assert [s for s, _, _ in scored] == ["5", "11"], scored  # after each of the 2 epochs, both weights
+    assert (run / "checkpoints" / "last.ckpt").is_file()
