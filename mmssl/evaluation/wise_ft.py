@@ -6,6 +6,9 @@ Two pairs are supported:
 * **the same kind** (CLIP and CLIP, ImageClassifier and ImageClassifier): the state dicts are
   mixed as they are (:mod:`mmssl.checkpoints.interpolate`); a CLIP is scored zero-shot on every
   set, a classifier by its head's top-1.
+* **a LoRA checkpoint** (``model.lora``: adapters and a reference to its base) at either end: its
+  adapters are merged into the base first (:func:`mmssl.export.merge.merged_checkpoint`, what every
+  export does), so the mix is of plain weights and alpha scales the adapters' update.
 * **a CLIP start and an ImageClassifier end** fine-tuned from it with the zero-shot head
   (``ImageClassifier(init_encoder=CLIP, zero_shot_head=CLIP)``): both are compared as
   classifiers. The start is the classifier at step 0, rebuilt from the end's hyper-parameters with
@@ -31,6 +34,7 @@ from mmssl.checkpoints.load import build_module, checkpoint_kind, module_class, 
 from mmssl.data.labeled import labeled_loader, read_classnames, read_templates
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.zero_shot import zero_shot_evaluate
+from mmssl.export.merge import merged_checkpoint
 
 
 class Pair:
@@ -49,6 +53,9 @@ class Pair:
         self.start_ckpt, self.end_ckpt = read_lightning(start), read_lightning(end)
         start_kind = checkpoint_kind(start, self.start_ckpt)
         self.kind = checkpoint_kind(end, self.end_ckpt)
+        # A LoRA checkpoint holds only its adapters: mix the merged weights, as every export would.
+        self.start_ckpt = merged_checkpoint(start, self.start_ckpt, start_kind)
+        self.end_ckpt = merged_checkpoint(end, self.end_ckpt, self.kind)
         self.clip: Optional[nn.Module] = None  # the start CLIP of a CLIP -> classifier pair
         if start_kind.name == "CLIP" and self.kind.name == "ImageClassifier":
             self.clip = build_module(start, self.start_ckpt, start_kind)

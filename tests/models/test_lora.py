@@ -154,3 +154,24 @@ def test_every_export_merges_the_adapters_and_loads_with_no_peft(clip_base, tmp_
         torch.testing.assert_close(oc.encode_text(tokens), text, rtol=0, atol=1e-5)
         torch.testing.assert_close(hf_image, image, rtol=0, atol=1e-5)
         torch.testing.assert_close(timm_vit.eval()(images), logits, rtol=0, atol=1e-5)
+
+
+def test_wise_ft_mixes_a_lora_end_as_its_merged_weights(clip_base, tmp_path):
+    """A LoRA fine-tune is a WiSE-FT end (tools/wise_ft.py): its adapters are merged before mixing,
+    so alpha 1 computes what the adapted model computes and alpha 0.5 is the plain mean."""
+    from mmssl.evaluation.wise_ft import Pair
+
+    json_path, base = clip_base
+    _save(CLIP(model_name=json_path, pretrained=str(base)).eval(), tmp_path / "start.ckpt")
+    lora = CLIP(model_name=json_path, pretrained=str(base), lora={"r": 4}).eval()
+    _perturb_adapters(lora)
+    _save(lora, tmp_path / "lora.ckpt")
+    pair = Pair(str(tmp_path / "start.ckpt"), str(tmp_path / "lora.ckpt"))
+    start, end, half = (pair.mix(a).state_dict() for a in (0.0, 1.0, 0.5))
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(pair.mix(1.0).encode_image(images), lora.encode_image(images), rtol=0, atol=1e-5)
+    moved = [k for k in start if start[k].is_floating_point() and not torch.equal(start[k], end[k])]
+    assert any("attn" in k for k in moved) and any("c_fc" in k for k in moved)  # adapters merged into both kinds
+    for key in moved:
+        torch.testing.assert_close(half[key], 0.5 * (start[key] + end[key]))
