@@ -1,16 +1,18 @@
-"""The adaptation recipes through the real `mmssl fit`: a LoRA run's checkpoint and resume, and the
-Fashion-MNIST LiT config from an MAE run's checkpoint."""
+"""The adaptation recipes through the real `mmssl fit`: a LoRA run's checkpoint and resume, the
+Fashion-MNIST LiT config from an MAE run's checkpoint, and FLYP from the demo CLIP's run to
+Fashion-MNIST."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 from mmssl.cli import main
 from mmssl.models.clip import CLIP
 from mmssl.models.mae import MAE
 from tests.conftest import REPO
-from tests.tools.test_fashion_mnist import fashion_cwd, source  # noqa: F401  (fixtures)
+from tests.tools.test_fashion_mnist import fashion_cwd, fm, source  # noqa: F401  (fixtures)
 
 pytest.importorskip("peft")
 
@@ -54,3 +56,29 @@ def test_lit_mae_config_trains_the_text_tower_on_the_mae_run_checkpoint(fashion_
     assert lit["hyper_parameters"]["image_mean"] == [0.485, 0.456, 0.406]
     logged = open(fashion_cwd / "runs/lit/version_0/metrics.csv").readline()
     assert "val/zero_shot_top1" in logged
+
+
+def test_flyp_demo_to_fashion_mnist_config_starts_from_the_demo_run_and_trains_on_class_prompts(fashion_cwd):  # noqa: F811
+    """configs/finetune/clip_flyp_demo_to_fashion_mnist.yaml (docs/adaptation.md) reads the demo CLIP
+    where `mmssl fit --config configs/demo/clip.yaml` leaves it and the class names where
+    tools/fashion_mnist.py writes them, and its captions are the class prompts, not the shards' own."""
+    from mmssl.data.captions import class_captions
+
+    torch.manual_seed(123)  # not the run's seed_everything: a fresh init would not pass for the demo run
+    demo = CLIP(str(REPO / "configs/models/clip_tiny.json"))
+    folder = fashion_cwd / "runs/demo_clip/version_0/checkpoints"
+    folder.mkdir(parents=True)
+    torch.save({"state_dict": demo.state_dict(), "hyper_parameters": dict(demo.hparams)}, folder / "last.ckpt")
+    main(["fit", "--config", "configs/finetune/clip_flyp_demo_to_fashion_mnist.yaml", "--data.init_args.batch_size=4",
+          "--data.init_args.num_workers=0", "--trainer.max_steps=1", "--trainer.enable_progress_bar=false",
+          "--trainer.default_root_dir=runs/flyp"])
+    run = fashion_cwd / "runs/flyp/version_0"
+    end = torch.load(run / "checkpoints/last.ckpt", weights_only=True)
+    assert end["global_step"] == 1
+    key = "model.visual.conv1.weight"  # started from the demo run's weights, and trained one step from them
+    delta = (end["state_dict"][key] - demo.state_dict()[key]).abs().max()
+    assert 0 < delta < 1e-2, delta
+    # The captions the run made: Fashion-MNIST's classes in its zero-shot prompts (what is scored).
+    data = yaml.safe_load((run / "config.yaml").read_text())["data"]["init_args"]
+    captions = class_captions(data["captions_from_classes"], data["caption_templates"])
+    assert captions.classnames == fm.CLASSNAMES and captions.templates == fm.ZERO_SHOT_TEMPLATES
