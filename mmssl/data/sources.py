@@ -4,6 +4,7 @@ Accepted specs:
 
 - a brace pattern, ``data/{00000..00099}.tar`` (expanded with ``braceexpand``, as webdataset and
   open_clip do);
+- a local path may start with ``~`` (expanded, as a shell would);
 - several specs joined with ``::`` (open_clip's ``--train-data`` convention), concatenated;
 - a folder: every ``*.tar`` inside, sorted;
 - an image folder, ``ROOT/<class>/<image>`` (torchvision's ``ImageFolder`` layout): read as virtual
@@ -77,6 +78,8 @@ def expand_urls(pattern: Union[str, Sequence[str]], must_exist: bool = True) -> 
             part = part.strip()
             if not part:
                 continue
+            if is_local(part):
+                part = os.path.expanduser(part)  # a config's `~/...` (no shell expands it there)
             if is_local(part) and is_class_folder(part):
                 urls += folder_urls(part)
             elif is_local(part) and os.path.isdir(part):
