@@ -13,7 +13,7 @@ import torch
 
 from mmssl.checkpoints.interpolate import architecture_mismatch, check_alphas, interpolate_state
 from mmssl.checkpoints.load import load_lightning
-from mmssl.evaluation.wise_ft import Pair, zero_shot_top1
+from mmssl.evaluation.wise_ft import Pair, wise_ft_curve, zero_shot_top1
 from mmssl.models.classifier import ImageClassifier
 from mmssl.models.clip import CLIP
 
@@ -109,3 +109,47 @@ def test_a_clip_and_the_classifier_fine_tuned_from_it_are_compared_as_classifier
     assert torch.equal(pair.mix(1.0).model.head.weight, classifier.model.head.weight)
     assert not torch.equal(pair.keep_model(pair.mix(1.0)).model.visual.trunk.blocks[0].attn.qkv.weight,
                            clip.model.visual.trunk.blocks[0].attn.qkv.weight)
+
+
+def test_gain_is_measured_against_the_end_and_against_a_reference():
+    from mmssl.evaluation.wise_ft import _add_fractions
+
+    points = [{"alpha": a, "target_mean": t, "keep_mean": k} for a, t, k in ((0.0, 0.1, 0.5), (0.5, 0.3, 0.45),
+                                                                           (1.0, 0.4, 0.3))]
+    reference = {"target_mean": 0.6, "keep_mean": 0.1}
+    _add_fractions(points, reference)
+    assert [p["kept_fraction"] for p in points] == pytest.approx([1.0, 0.9, 0.6])
+    assert [p["gain_fraction"] for p in points] == pytest.approx([0.0, 2 / 3, 1.0])
+    assert [p["reference_gain_fraction"] for p in points] == pytest.approx([0.0, 0.4, 0.6])
+    assert reference["kept_fraction"] == pytest.approx(0.2) and "reference_gain_fraction" not in reference
+    _add_fractions(alone := [{"alpha": 0.5, "target_mean": 0.3, "keep_mean": 0.4}], reference)  # no alpha 0
+    assert set(alone[0]) == {"alpha", "target_mean", "keep_mean"}
+
+
+def test_the_tool_scores_a_reference_fine_tune_once_and_refuses_another_architecture(tiny_clip_json, tiny_demo,
+                                                                                       tmp_path):
+    torch.manual_seed(1)
+    modules = [CLIP(tiny_clip_json).eval() for _ in range(3)]  # start, end, reference (a full fine-tune)
+    start, end, ref = (_save(m, tmp_path / f"{n}.ckpt", CLIP_PATH) for m, n in zip(modules, ("start", "end", "ref")))
+    data = tiny_demo.eval_dir
+    argv = ["--start", str(start), "--end", str(end), "--alphas", "0", "1", "--target", data, "--keep", data,
+            "--batch-size", "16", "--device", "cpu", "--output-json", str(tmp_path / "w.json"),
+            "--plot", str(tmp_path / "w.png")]
+    assert _main()([*argv, "--reference", str(ref)]) == 0
+    report = json.loads((tmp_path / "w.json").read_text())
+    reference, zero = report["reference"], report["points"][0]
+    assert reference["path"] == str(ref)
+    assert reference["target"][data] == pytest.approx(zero_shot_top1(modules[2], data, 16))
+    assert reference["kept_fraction"] == pytest.approx(reference["keep_mean"] / zero["keep_mean"])
+    assert reference["target_mean"] != zero["target_mean"]  # seed 1's inits differ on the target
+    for p in report["points"]:
+        assert p["reference_gain_fraction"] == pytest.approx(
+                (p["target_mean"] - zero["target_mean"]) / (reference["target_mean"] - zero["target_mean"]))
+    assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
+    other = json.loads(Path(tiny_clip_json).read_text())
+    other["vision_cfg"]["width"] = 48
+    (tmp_path / "wider.json").write_text(json.dumps(other))
+    wider = _save(CLIP(str(tmp_path / "wider.json")), tmp_path / "wider.ckpt", CLIP_PATH)
+    with pytest.raises(ValueError, match="hyper-parameter 'model_name'"):  # before any set is scored
+        wise_ft_curve(Pair(str(start), str(end)), [0.0], [data], [], 16, reference=str(wider))
+    assert _main()([*argv[:6], "--keep", data, "--reference", str(ref)]) == 1  # a reference needs a target set

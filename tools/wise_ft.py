@@ -13,6 +13,9 @@ key or shape is refused, naming the first. A CLIP scores zero-shot on every set 
 ``classnames.txt`` and templates); an ImageClassifier scores its head's top-1; a CLIP start with an
 ImageClassifier end (fine-tuned from it with ``model.zero_shot_head``) is compared as classifiers,
 kept sets zero-shot through the start CLIP with the mix's encoder (mmssl/evaluation/wise_ft.py).
+``--reference FILE`` scores another fine-tune of the same start once (the full fine-tune beside a
+FLYP run, say): each mix's gain on the target is then also given as a share of the reference's
+gain (``ref gain``), and the plot shows the reference as a star.
 ``--export-alpha A --output FILE`` writes the mix at A as a checkpoint of the end's kind, which every
 tool and ``mmssl validate`` reads (``mmssl.checkpoints.load``).
 """
@@ -45,6 +48,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--alphas", type=float, nargs="+", default=list(DEFAULT_ALPHAS), help="mixing coefficients in [0, 1]")
     p.add_argument("--target", nargs="+", default=[], help="labelled set(s) the fine-tune is for")
     p.add_argument("--keep", nargs="+", default=[], help="labelled set(s) whose accuracy must be kept")
+    p.add_argument("--reference", help="another fine-tune of the start (a full fine-tune, say): scored once, and each "
+                   "mix's target gain given as a share of its gain")
     p.add_argument("--limit", type=int, help="score only the first N samples of each set")
     p.add_argument("--plot", help="write target against kept accuracy here (PNG)")
     p.add_argument("--export-alpha", type=float, help="write the mix at this alpha to --output")
@@ -74,7 +79,9 @@ def _wise_ft(args: argparse.Namespace) -> None:
     if args.export_alpha is not None:
         check_alphas([args.export_alpha])
         check_output(args.output, folder=False, overwrite=args.overwrite)
-    for path in (args.start, args.end, *args.target, *args.keep):
+    if args.reference and not args.target:
+        raise ValueError("--reference measures the mixes' target gain against it: give --target sets")
+    for path in (args.start, args.end, *([args.reference] if args.reference else []), *args.target, *args.keep):
         if not os.path.exists(path):
             raise FileNotFoundError(f"no file or folder at {path!r}")
     from mmssl.evaluation.wise_ft import Pair, plot_wise_ft, wise_ft_curve  # builds models: after the checks
@@ -82,7 +89,7 @@ def _wise_ft(args: argparse.Namespace) -> None:
     pair = Pair(args.start, args.end)
     if args.target or args.keep:
         report = wise_ft_curve(pair, alphas, args.target, args.keep, args.batch_size, args.num_workers, args.limit,
-                               torch.device(args.device))
+                               torch.device(args.device), reference=args.reference)
         _print(report)
         if args.output_json:
             with open(args.output_json, "w") as f:
@@ -96,12 +103,18 @@ def _wise_ft(args: argparse.Namespace) -> None:
 
 def _print(report: dict) -> None:
     sets = [*report["targets"], *report["keep"]]
-    print("alpha  " + "  ".join(f"{os.path.basename(os.path.normpath(s))[:14]:>14}" for s in sets) + "  kept  gain")
-    for p in report["points"]:
+    ref = report.get("reference")
+    extras = ["kept", "gain", *(["ref gain"] if ref else [])]
+    print("alpha  " + "  ".join(f"{os.path.basename(os.path.normpath(s))[:14]:>14}" for s in sets) + "  "
+          + "  ".join(f"{e:>8}" for e in extras))
+    rows = [(f"{p['alpha']:5.2f}", p) for p in report["points"]] + ([("  ref", ref)] if ref else [])
+    for label, p in rows:
         cells = [p["target"][s] for s in report["targets"]] + [p["keep"][s] for s in report["keep"]]
-        extra = [p.get("kept_fraction"), p.get("gain_fraction")]
-        print(f"{p['alpha']:5.2f}  " + "  ".join(f"{100 * c:13.2f}%" for c in cells) + "  "
-              + "  ".join("   -" if e is None else f"{100 * e:4.0f}%" for e in extra))
+        extra = [p.get("kept_fraction"), p.get("gain_fraction"), *([p.get("reference_gain_fraction")] if ref else [])]
+        print(f"{label}  " + "  ".join(f"{100 * c:13.2f}%" for c in cells) + "  "
+              + "  ".join(f"{'-':>8}" if e is None else f"{100 * e:7.1f}%" for e in extra))
+    if ref:
+        print(f"ref: {ref['path']}")
 
 
 if __name__ == "__main__":

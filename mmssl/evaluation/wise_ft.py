@@ -126,9 +126,22 @@ def zero_shot_top1(model: nn.Module, data: str, batch_size: int = 256, num_worke
     return float(out["top1"])
 
 
+def _score(pair: Pair, mixed: nn.Module, targets: Sequence[str], keep: Sequence[str], batch_size: int,
+           num_workers: int, limit: Optional[int], device: Optional[torch.device]) -> dict[str, Any]:
+    """One mix of ``pair`` scored on every set: ``target`` / ``keep`` per set and their means."""
+    classifier = pair.kind.name == "ImageClassifier"
+    score = top1 if classifier else zero_shot_top1
+    target = {d: score(mixed, d, batch_size, num_workers, limit, device) for d in targets}
+    keeper = pair.keep_model(mixed)
+    kept_score = top1 if classifier and pair.clip is None else zero_shot_top1
+    kept = {d: kept_score(keeper, d, batch_size, num_workers, limit, device) for d in keep}
+    return {"target": target, "keep": kept, "target_mean": sum(target.values()) / max(1, len(target)),
+            "keep_mean": sum(kept.values()) / len(kept) if kept else None}
+
+
 def wise_ft_curve(pair: Pair, alphas: Sequence[float], targets: Sequence[str], keep: Sequence[str],
                   batch_size: int = 256, num_workers: int = 0, limit: Optional[int] = None,
-                  device: Optional[torch.device] = None) -> dict[str, Any]:
+                  device: Optional[torch.device] = None, reference: Optional[str] = None) -> dict[str, Any]:
     """Score the mix at every alpha.
 
     Args:
@@ -139,41 +152,55 @@ def wise_ft_curve(pair: Pair, alphas: Sequence[float], targets: Sequence[str], k
         batch_size, num_workers: the loaders'.
         limit: score only the first ``limit`` samples of each set.
         device: where to score (default: CPU).
+        reference: another fine-tune of the same start (a full fine-tune, say), scored once; each
+            mix's target gain is then also given as a share of the reference's.
 
     Returns:
         A JSON-ready dict: ``points`` (per alpha: ``alpha``, ``target`` and ``keep`` per set,
         their means ``target_mean`` / ``keep_mean``, ``kept_fraction`` = keep_mean / keep_mean at
-        alpha 0 and ``gain_fraction`` = the share of the end's target gain reached) when the
-        alphas include 0 and 1.
+        alpha 0 and ``gain_fraction`` = the share of the end's target gain reached, when the
+        alphas include 0 and 1; ``reference_gain_fraction`` = the share of the reference's target
+        gain, when the alphas include 0) and, with a reference, ``reference`` (its scores and
+        ``kept_fraction``).
+
+    Raises:
+        ValueError: a reference that is not a fine-tune of the start's architecture (the first
+            mismatch named).
     """
-    classifier = pair.kind.name == "ImageClassifier"
+    ref_pair = Pair(pair.paths[0], reference) if reference else None  # refused here, before any scoring
     points = []
     for alpha in alphas:
         start = time.perf_counter()
-        mixed = pair.mix(alpha)
-        score = top1 if classifier else zero_shot_top1
-        target = {d: score(mixed, d, batch_size, num_workers, limit, device) for d in targets}
-        keeper = pair.keep_model(mixed)
-        kept_score = top1 if classifier and pair.clip is None else zero_shot_top1
-        kept = {d: kept_score(keeper, d, batch_size, num_workers, limit, device) for d in keep}
-        points.append({"alpha": alpha, "target": target, "keep": kept,
-                       "target_mean": sum(target.values()) / max(1, len(target)),
-                       "keep_mean": sum(kept.values()) / len(kept) if kept else None,
-                       "seconds": round(time.perf_counter() - start, 2)})
-    _add_fractions(points)
-    return {"start": pair.paths[0], "end": pair.paths[1], "kind": pair.kind.name, "targets": list(targets),
-            "keep": list(keep), "limit": limit, "points": points}
+        points.append({"alpha": alpha, **_score(pair, pair.mix(alpha), targets, keep, batch_size, num_workers, limit,
+                                                device), "seconds": round(time.perf_counter() - start, 2)})
+    ref = None
+    if ref_pair is not None:
+        ref = {"path": reference, **_score(ref_pair, ref_pair.mix(1.0), targets, keep, batch_size, num_workers, limit,
+                                           device)}
+    _add_fractions(points, ref)
+    out = {"start": pair.paths[0], "end": pair.paths[1], "kind": pair.kind.name, "targets": list(targets),
+           "keep": list(keep), "limit": limit, "points": points}
+    if ref is not None:
+        out["reference"] = ref
+    return out
 
 
-def _add_fractions(points: list[dict[str, Any]]) -> None:
-    """``kept_fraction`` and ``gain_fraction`` per point, relative to alphas 0 and 1 when scored."""
+def _add_fractions(points: list[dict[str, Any]], reference: Optional[dict[str, Any]] = None) -> None:
+    """``kept_fraction`` and ``gain_fraction`` per point, relative to alphas 0 and 1 when scored;
+    ``reference_gain_fraction`` relative to alpha 0 and the reference (and its ``kept_fraction``)."""
     by_alpha = {p["alpha"]: p for p in points}
     zero, one = by_alpha.get(0.0), by_alpha.get(1.0)
-    for p in points:
+    for p in [*points, *([reference] if reference else [])]:
         if zero is not None and zero["keep_mean"]:
             p["kept_fraction"] = p["keep_mean"] / zero["keep_mean"]
-        if zero is not None and one is not None and one["target_mean"] != zero["target_mean"]:
+    if zero is None:
+        return
+    for p in points:
+        if one is not None and one["target_mean"] != zero["target_mean"]:
             p["gain_fraction"] = (p["target_mean"] - zero["target_mean"]) / (one["target_mean"] - zero["target_mean"])
+        if reference is not None and reference["target_mean"] != zero["target_mean"]:
+            p["reference_gain_fraction"] = ((p["target_mean"] - zero["target_mean"])
+                                            / (reference["target_mean"] - zero["target_mean"]))
 
 
 def plot_wise_ft(report: dict[str, Any], path: str, size: tuple[int, int] = (640, 480)) -> str:
@@ -194,9 +221,14 @@ def plot_wise_ft(report: dict[str, Any], path: str, size: tuple[int, int] = (640
     figure = new_figure(size[0] / dpi, size[1] / dpi, dpi=dpi)
     ax = figure.add_subplot()
     xs, ys = [p["keep_mean"] for p in points], [p["target_mean"] for p in points]
-    ax.plot(xs, ys, marker="o")
+    ax.plot(xs, ys, marker="o", label="mixes (alpha)")
     for p, x, y in zip(points, xs, ys):
         ax.annotate(f"{p['alpha']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ref = report.get("reference")
+    if ref is not None and ref["keep_mean"] is not None:
+        ax.plot([ref["keep_mean"]], [ref["target_mean"]], marker="*", markersize=12, linestyle="none",
+                label=f"reference: {ref['path']}")
+        ax.legend(fontsize=7)
     ax.set_xlabel(f"kept top-1 ({', '.join(report['keep'])})", fontsize=8)
     ax.set_ylabel(f"target top-1 ({', '.join(report['targets'])})", fontsize=8)
     ax.set_title("WiSE-FT: alpha 0 = start, 1 = fine-tuned", fontsize=10)
