@@ -58,11 +58,15 @@ def test_lit_mae_config_trains_the_text_tower_on_the_mae_run_checkpoint(fashion_
     assert "val/zero_shot_top1" in logged
 
 
-def test_flyp_demo_to_fashion_mnist_config_starts_from_the_demo_run_and_trains_on_class_prompts(fashion_cwd):  # noqa: F811
+def test_flyp_demo_to_fashion_mnist_config_starts_from_the_demo_run_and_trains_on_class_prompts(
+        fashion_cwd, monkeypatch):  # noqa: F811
     """configs/finetune/clip_flyp_demo_to_fashion_mnist.yaml (docs/adaptation.md) reads the demo CLIP
     where `mmssl fit --config configs/demo/clip.yaml` leaves it and the class names where
-    tools/fashion_mnist.py writes them, and its captions are the class prompts, not the shards' own."""
+    tools/fashion_mnist.py writes them, and its captions are the class prompts, not the shards' own.
+    The replay stack onto it reads the demo's training pairs from the demo cache beside
+    Fashion-MNIST's, one exact epoch of both, each with its own captions."""
     from mmssl.data.captions import class_captions
+    from mmssl.data.demo import ensure_demo_data
 
     torch.manual_seed(123)  # not the run's seed_everything: a fresh init would not pass for the demo run
     demo = CLIP(str(REPO / "configs/models/clip_tiny.json"))
@@ -82,3 +86,18 @@ def test_flyp_demo_to_fashion_mnist_config_starts_from_the_demo_run_and_trains_o
     data = yaml.safe_load((run / "config.yaml").read_text())["data"]["init_args"]
     captions = class_captions(data["captions_from_classes"], data["caption_templates"])
     assert captions.classnames == fm.CLASSNAMES and captions.templates == fm.ZERO_SHOT_TEMPLATES
+
+    # The replay stack: Fashion-MNIST's 7 training pairs and the 5 of a demo cache in $HOME.
+    monkeypatch.setenv("HOME", str(fashion_cwd / "home"))
+    ensure_demo_data(str(fashion_cwd / "home/.cache/mmssl/demo"), num_train=5, num_val=1, shard_size=5, image_size=32)
+    main(["fit", "--config", "configs/finetune/clip_flyp_demo_to_fashion_mnist.yaml", "--config",
+          "configs/finetune/clip_flyp_replay_demo_to_fashion_mnist.yaml", "--data.init_args.batch_size=4",
+          "--data.init_args.num_workers=0", "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
+          "--trainer.default_root_dir=runs/replay"])
+    run = fashion_cwd / "runs/replay/version_0"
+    end = torch.load(run / "checkpoints/last.ckpt", weights_only=True)
+    position = end["ImageTextDataModule"]["position"]
+    assert end["global_step"] == 3 and position["samples"] == 7 + 5 and position["skipped"] == 0  # both sets read
+    assert end["state_dict"][key].ne(demo.state_dict()[key]).any()  # from the demo run, trained
+    data = yaml.safe_load((run / "config.yaml").read_text())["data"]["init_args"]
+    assert data["captions_from_classes"] is None  # each sample's own caption
