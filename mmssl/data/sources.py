@@ -78,11 +78,12 @@ def expand_urls(pattern: Union[str, Sequence[str]], must_exist: bool = True) -> 
             part = part.strip()
             if not part:
                 continue
-            if is_local(part):
+            local = is_local(part)
+            if local:
                 part = os.path.expanduser(part)  # a config's `~/...` (no shell expands it there)
-            if is_local(part) and is_class_folder(part):
+            if local and is_class_folder(part):
                 urls += folder_urls(part)
-            elif is_local(part) and os.path.isdir(part):
+            elif local and os.path.isdir(part):
                 found = sorted(os.path.join(part, f) for f in os.listdir(part) if f.endswith(".tar"))
                 if not found:
                     raise FileNotFoundError(
