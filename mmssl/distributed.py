@@ -28,6 +28,18 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+def is_sharded(strategy: object) -> bool:
+    """True when ``strategy`` shards parameters across ranks (FSDP 1 or FSDP2), so that every
+    forward is a collective and a whole-model copy per rank cannot be assumed.
+
+    The one "is this run sharded" question of mmssl: Lightning's ``FSDPStrategy`` (FSDP 1) and
+    ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in ``configure_model``).
+    """
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    return isinstance(strategy, (FSDPStrategy, ModelParallelStrategy))
+
+
 def seed_per_rank(global_rank: int, num_ranks: int) -> None:
     """Give each rank its own torch RNG stream, derived from the run's seed and the rank.
 

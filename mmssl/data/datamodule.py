@@ -26,7 +26,6 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from mmssl.data.captions import class_captions
@@ -37,6 +36,7 @@ from mmssl.data.pipeline import META_KEYS, ShardStream, StreamSpec, plan_stream
 from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources, shard_sizes
 from mmssl.data.state import EpochLoader, StreamPosition, run_skipped
 from mmssl.data.teacher_embeddings import TeacherEmbeddings
+from mmssl.distributed import is_sharded
 from mmssl.data.transforms import (OPENAI_MEAN, OPENAI_STD, BatchNormalize, eval_transform, timm_eval_transform,
                                    timm_train_transform, train_sample_transform)
 
@@ -235,7 +235,7 @@ class ImageTextDataModule(pl.LightningDataModule):
                         raise cls(f"data.{key}={data!r}: {err}") from err
                     if train:
                         self._report(stream)
-                    elif world > 1 and isinstance(self.trainer.strategy, FSDPStrategy):
+                    elif world > 1 and is_sharded(self.trainer.strategy):
                         check_even_validation(stream.spec, f"data.{key}={data!r}")
 
     def _report(self, stream: ShardStream) -> None:
