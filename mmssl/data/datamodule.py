@@ -108,8 +108,9 @@ class ImageTextDataModule(pl.LightningDataModule):
         shuffle_buffer: raw samples in the (pre-decode) shuffle buffer of each worker.
         seed: seed of shard order and shuffling; streams derive from (seed, epoch, rank, worker).
         max_bad_fraction: stop when a worker finds more than this fraction of its samples bad.
-        reduced_decode: decode large JPEGs at reduced size (Pillow ``draft``) when the model
-            input is much smaller.
+        reduced_decode: decode large training JPEGs at reduced size (Pillow ``draft``) when the
+            model input is much smaller. Training only: validation decodes in full, as every
+            evaluator does (a reduced decode gives other pixels, hence other figures).
         demo_dir: cache folder of the embedded demo data.
         trim_text_padding: cut each batch's tokens after its longest caption, before the transfer
             (set from the model by ``mmssl fit``: on when its text tower ignores padding).
@@ -274,8 +275,7 @@ class ImageTextDataModule(pl.LightningDataModule):
             transform = timm_eval_transform(self.image_size, self.image_mean, self.image_std, self.eval_crop_pct)
         else:
             transform = eval_transform(self.image_size, self.image_mean, self.image_std)
-        side = self.image_size if train else math.ceil(self.image_size / (self.eval_crop_pct or 1.0))
-        min_size = draft_size(side, self.crop_scale[0] if train else 1.0) if self.reduced_decode else None
+        min_size = draft_size(self.image_size, self.crop_scale[0]) if self.reduced_decode and train else None
         teacher = (self.teacher_tokenizer, self.teacher_embeddings) if train else (None, None)  # training only
         return SampleDecoder(transform, self.tokenizer, self.image_key.split(";"), self.text_key,
                              self.label_key, min_size, batch_transform, self.num_classes, self.max_image_pixels,
