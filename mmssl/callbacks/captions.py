@@ -10,7 +10,7 @@ from mmssl.callbacks.zero_shot import FIX
 from mmssl.data.labeled import labeled_loader, read_classnames
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.captions import caption_naming_evaluate
-from mmssl.evaluation.online import check_labelled_set, will_evaluate
+from mmssl.evaluation.online import check_labelled_set, evaluation_set, will_evaluate
 from mmssl.models.generation import GENERATION_TYPES
 
 
@@ -23,7 +23,7 @@ class CaptionNaming(pl.Callback):
 
     Args:
         data: labelled set with ``classnames.txt``; defaults to the data module's ``eval_data``,
-            else its ``val_data``, as ``ZeroShot``.
+            else its ``val_data`` (:func:`mmssl.evaluation.online.evaluation_set`).
         classnames: class-names file; defaults to ``classnames.txt`` beside the data.
         max_samples: caption only the set's first this many samples (the same ones on any number
             of ranks); ``None`` for all.
@@ -46,13 +46,10 @@ class CaptionNaming(pl.Callback):
         self.batch_size, self.num_workers = batch_size, num_workers
 
     def _data(self, trainer: pl.Trainer) -> str:
-        if self.data:
-            return self.data
-        for key in ("eval_data", "val_data"):
-            value = getattr(trainer.datamodule, key, None)
-            if isinstance(value, str) and value:
-                return value
-        raise ValueError(f"CaptionNaming needs a labelled set and the data module offers none. {FIX}")
+        found = evaluation_set(trainer.datamodule, self.data)
+        if found is None:
+            raise ValueError(f"CaptionNaming needs a labelled set and the data module offers none. {FIX}")
+        return found[0]
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not will_evaluate(trainer, stage):

@@ -24,7 +24,7 @@ from mmssl.data.heldout import HeldOut, read_heldout
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.features import frozen_eval
 from mmssl.evaluation.health import alignment, modality_gap, rankme, uniformity
-from mmssl.evaluation.online import will_evaluate
+from mmssl.evaluation.online import evaluation_set, will_evaluate
 
 __all__ = ["EmbeddingHealth"]
 
@@ -52,8 +52,9 @@ class EmbeddingHealth(pl.Callback):
 
     Args:
         data: the held-out set (image-text shards, or a labelled set / image folder: images
-            only); defaults to the data module's ``val_data`` (when one pattern), else its
-            ``eval_data`` (the demo's labelled split).
+            only); defaults to the data module's ``eval_data`` (the demo's labelled held-out
+            split), else its ``val_data`` (when one pattern), as every evaluation callback
+            (:func:`mmssl.evaluation.online.evaluation_set`).
         max_samples: N, the buffer's size (RankMe is bounded by min(N, D): keep N >= D). Held
             in memory as float images (224 px: 0.6 MB each).
         every_n_steps: ``None``: at the end of every validation (and on ``mmssl validate``); N:
@@ -87,14 +88,7 @@ class EmbeddingHealth(pl.Callback):
 
     def _data(self, trainer: pl.Trainer) -> Optional[tuple[str, str]]:
         """The held-out set and the key that named it (for messages); ``None`` when there is none."""
-        if self.data:
-            return self.data, "init_args.data"
-        dm = trainer.datamodule
-        for key in ("val_data", "eval_data"):
-            value = getattr(dm, key, None)
-            if isinstance(value, str) and value:  # a list of weighted sources is no one set
-                return value, f"data.{key}"
-        return None
+        return evaluation_set(trainer.datamodule, self.data)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.every_n_steps is None and not will_evaluate(trainer, stage):

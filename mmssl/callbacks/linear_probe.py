@@ -33,8 +33,8 @@ class LinearProbe(pl.Callback):
     Args:
         train_data: labelled training set (shards with ``cls`` or image folder); defaults to the
             data module's training shards (the demo's carry labels).
-        val_data: labelled evaluation set; defaults to the data module's ``eval_data`` /
-            ``val_data``.
+        val_data: labelled evaluation set; defaults to the data module's ``eval_data``, else its
+            ``val_data`` (:func:`mmssl.evaluation.online.evaluation_set`).
         feature: ``"cls"`` token or ``"avg"`` of the patch tokens (final norm), or the model's
             ``"embedding"`` (``encode_image``: CLIP's projected embedding).
         method: ``"lbfgs"``: exact multinomial logistic regression on standardised features (fast;

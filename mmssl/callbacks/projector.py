@@ -13,7 +13,7 @@ from torch import Tensor
 from mmssl.data.labeled import labeled_loader, read_classnames, read_templates
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.features import FeatureSet, frozen_eval, gather_feature_set, image_features
-from mmssl.evaluation.online import check_labelled_set
+from mmssl.evaluation.online import check_labelled_set, evaluation_set
 from mmssl.evaluation.zero_shot import build_zero_shot_classifier
 
 
@@ -31,7 +31,8 @@ class EmbeddingProjector(pl.Callback):
 
     Args:
         data: labelled set (shards with ``cls`` or an image folder); defaults to the data
-            module's ``eval_data`` / ``val_data``.
+            module's ``eval_data``, else its ``val_data``
+            (:func:`mmssl.evaluation.online.evaluation_set`).
         classnames: class-names file; defaults to ``classnames.txt`` beside the data, else the
             labels are written as numbers.
         templates: prompt templates of the text points; defaults as for zero-shot.
@@ -65,13 +66,12 @@ class EmbeddingProjector(pl.Callback):
         self._validations = 0
 
     def _data(self, trainer: pl.Trainer) -> str:
-        dm = trainer.datamodule
-        data = self.data or getattr(dm, "eval_data", None) or getattr(dm, "val_data", None)
-        if not data:
+        found = evaluation_set(trainer.datamodule, self.data)
+        if found is None:
             raise ValueError("EmbeddingProjector needs a labelled set and the data module offers none: pass "
                              "--data.val_data LABELLED_SET (shards with cls, or an image folder), or set "
                              "init_args.data in its trainer.callbacks entry")
-        return data
+        return found[0]
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and trainer.limit_val_batches == 0:

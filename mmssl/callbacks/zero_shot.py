@@ -9,7 +9,7 @@ from torch import Tensor
 
 from mmssl.data.labeled import labeled_loader, read_classnames, read_templates
 from mmssl.data.transforms import eval_transform
-from mmssl.evaluation.online import check_labelled_set, will_evaluate
+from mmssl.evaluation.online import check_labelled_set, evaluation_set, will_evaluate
 from mmssl.evaluation.zero_shot import build_zero_shot_classifier, zero_shot_evaluate
 
 __all__ = ["ZeroShot", "build_zero_shot_classifier"]
@@ -29,7 +29,8 @@ class ZeroShot(pl.Callback):
     Args:
         data: labelled set (shards with ``cls`` or an image folder) with ``classnames.txt``;
             defaults to the data module's ``eval_data`` (the demo's labelled held-out split),
-            else its ``val_data`` (``--data.val_data LABELLED_SET``), as the probes do.
+            else its ``val_data`` (``--data.val_data LABELLED_SET``), as every evaluation
+            callback (:func:`mmssl.evaluation.online.evaluation_set`).
         classnames: class-names file; defaults to ``classnames.txt`` beside the data.
         templates: templates file; defaults to ``zeroshot_classification_templates.txt`` beside
             the data, else CLIP's 80 ImageNet templates.
@@ -55,14 +56,10 @@ class ZeroShot(pl.Callback):
 
     def _data(self, trainer: pl.Trainer) -> tuple[str, str]:
         """The labelled set and the key that set it (for messages)."""
-        if self.data:
-            return self.data, "init_args.data"
-        dm = trainer.datamodule
-        for key in ("eval_data", "val_data"):
-            value = getattr(dm, key, None)
-            if isinstance(value, str) and value:  # a list of weighted sources is no labelled set
-                return value, f"data.{key}"
-        raise ValueError(f"ZeroShot needs a labelled set and the data module offers none. {FIX}")
+        found = evaluation_set(trainer.datamodule, self.data)
+        if found is None:
+            raise ValueError(f"ZeroShot needs a labelled set and the data module offers none. {FIX}")
+        return found
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every rank checks at start, so a missing set or class list stops all of them at once.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -31,23 +31,56 @@ def should_run(trainer: pl.Trainer, every_n_epochs: int) -> bool:
     return (trainer.current_epoch + 1) % every_n_epochs == 0
 
 
+# The data module's sets an evaluation callback may read, in order of precedence: ``eval_data``,
+# the labelled held-out set the data module names for evaluation (the demo's clip_benchmark split,
+# with classnames and templates), before ``val_data``, the validation shards the loss is computed
+# on, which need not be labelled.
+DATAMODULE_EVAL_KEYS = ("eval_data", "val_data")
+
+
+def evaluation_set(datamodule: Any, own: Optional[str] = None,
+                   own_key: str = "init_args.data") -> Optional[tuple[str, str]]:
+    """The set an evaluation callback reads, and the config key that named it (for messages).
+
+    Precedence, the same for every callback (zero-shot, probes, captions, projector, health):
+    the callback's own setting, else the data module's ``eval_data``, else its ``val_data``. Only
+    a non-empty string counts: a list or dict of weighted sources is a training mixture, no one
+    set to evaluate on, and is passed over.
+
+    Args:
+        datamodule: ``trainer.datamodule`` (may be ``None``, or lack either attribute).
+        own: the callback's own setting (``init_args.data``), ``None`` or ``""`` for none.
+        own_key: the config key of ``own``.
+
+    Returns:
+        ``(set, key)``, e.g. ``("/data/val", "data.eval_data")``, or ``None`` when there is none.
+    """
+    if own:
+        return own, own_key
+    for key in DATAMODULE_EVAL_KEYS:
+        value = getattr(datamodule, key, None)
+        if isinstance(value, str) and value:
+            return value, f"data.{key}"
+    return None
+
+
 def default_data(trainer: pl.Trainer, train_data: Optional[str], val_data: Optional[str], who: str) -> tuple[str, str]:
     """The labelled (train, val) sets: the callback's own, else the data module's.
 
     The data module's training shards must carry ``cls`` (the demo's do); its held-out labelled
-    set is ``eval_data`` (the demo) or ``val_data``.
+    set is chosen by :func:`evaluation_set`.
     """
     dm = trainer.datamodule
     train = train_data or getattr(dm, "train_data", None)
-    val = val_data or getattr(dm, "eval_data", None) or getattr(dm, "val_data", None)
-    if not train or not val:
+    found = evaluation_set(dm, val_data, "init_args.val_data")
+    if not train or found is None:
         raise ValueError(
             f"{who}: the data module offers no labelled training and validation sets: pass "
             "--data.val_data LABELLED_SET (shards with cls beside a classnames.txt, or an image folder) "
             "with labelled --data.train_data, or set init_args.train_data and init_args.val_data in "
             f"its trainer.callbacks entry"
         )
-    return train, val
+    return train, found[0]
 
 
 def will_evaluate(trainer: pl.Trainer, stage: str) -> bool:
