@@ -8,11 +8,13 @@ the share of captions that name the image's class.
 
 ``--generation-type beam_search`` (default; ``--num-beams``, ``--length-penalty``) keeps the most
 likely captions; ``top_p`` (``--top-p``) and ``top_k`` (``--top-k``) sample with open_clip's
-``CoCa.generate`` (``--temperature``, ``--repetition-penalty``). ``--seq-len`` / ``--min-seq-len``
-bound the caption in tokens, start and end included. ``--output`` writes one JSON line per image
-(``image`` or ``index``, ``caption``, and on a set ``label``, ``class``, ``names_class``);
+``CoCa.generate`` (``--temperature``, ``--repetition-penalty``). ``--seq-len`` (default: the
+model's text context) / ``--min-seq-len`` bound the caption in tokens, start and end included.
+``--output`` writes one JSON line per image (``image`` or ``index``, ``caption``, and on a set
+``label``, ``class``, ``names_class``);
 ``--output-json`` the summary (``names_class``: the share of captions naming the class as a phrase,
 on the demo set a caption naming both colour and shape correctly). ``--seed`` fixes sampling.
+``--ema`` captions with a checkpoint's EMA of the weights (a checkpoint without one is refused).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     add_output_json(p, help="write the summary here as JSON")
     g = p.add_argument_group("generation")
     g.add_argument("--generation-type", choices=GENERATION_TYPES, default="beam_search")
-    g.add_argument("--seq-len", type=int, default=20, help="longest caption in tokens, start and end included")
+    g.add_argument("--seq-len", type=int, help="longest caption in tokens, start and end included "
+                                               "(default: the model's text context)")
     g.add_argument("--min-seq-len", type=int, default=5, help="no end-of-text before this many tokens")
     g.add_argument("--num-beams", type=int, default=6, help="beam_search: beams per image")
     g.add_argument("--length-penalty", type=float, default=1.0, help="beam_search: score = log p / length ** this")
@@ -80,18 +83,23 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _caption(args: argparse.Namespace) -> None:
-    if args.seq_len <= args.min_seq_len:
+    if args.seq_len is not None and args.seq_len <= args.min_seq_len:
         raise ValueError(f"--seq-len {args.seq_len} must exceed --min-seq-len {args.min_seq_len}")
-    model = load_model(args.ckpt, args.model, None, args.model_class)
+    model = load_model(args.ckpt, args.model, None, args.model_class, args.ema)
     if not hasattr(model, "generation_ids"):  # a user's wrong file: one line naming it
         raise ValueError(f"{args.ckpt}: {type(model).__name__} has no text decoder: captions need a CoCa checkpoint")
+    if args.seq_len is None:  # the longest caption the model was trained on: its text context
+        args.seq_len = int(model.model.context_length)
+        if args.seq_len <= args.min_seq_len:
+            raise ValueError(f"{args.ckpt}: the text context ({args.seq_len} tokens) must exceed --min-seq-len "
+                             f"{args.min_seq_len}")
     params = generation_params(args)
     torch.manual_seed(args.seed)
     rows = _from_images(model, args, params) if args.images else _from_data(model, args, params)
     if args.output:
         with open(args.output, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
-    report = {"checkpoint": args.ckpt, **params, "num_samples": len(rows)}
+    report = {"checkpoint": args.ckpt, "ema": args.ema, **params, "num_samples": len(rows)}
     if args.data:
         report["names_class"] = sum(r["names_class"] for r in rows) / max(1, len(rows))
     else:
