@@ -11,7 +11,9 @@ timm hub, transformers ``CLIPModel``). The suite file (``mmssl.evaluation.suite`
 before any model is loaded. Written into ``--output``: ``SET_TASK_PROTOCOL.json`` per result
 (CLIP_benchmark's keys, plus ``protocol``, ``ci95``, ``skipped``), ``results.csv``, ``results.md``
 and ``summary.json``; with ``--compare``, ``a/`` and ``b/`` so, and ``compare.json`` /
-``compare.md`` (B - A per set, its interval and two-sided p-value).
+``compare.md`` (B - A per set, its interval and two-sided p-value). ``--ema`` scores a checkpoint's
+EMA of the weights (both checkpoints' with ``--compare``) instead of its raw weights; a file or
+folder without one is refused, naming it.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def _check_output(folder: str, overwrite: bool) -> None:
 
 
 def _score(args: argparse.Namespace, suite: Suite, ckpt: str, folder: str, title: str):
-    model = load_encoder(ckpt, args.model, args.model_kwargs, args.model_class)
+    model = load_encoder(ckpt, args.model, args.model_kwargs, args.model_class, args.ema)
     runner = Runner(model, suite, args.feature, args.batch_size, args.num_workers)
     results = runner.run(log=lambda line: print(line, file=sys.stderr))
     name = args.model or type(model).__name__

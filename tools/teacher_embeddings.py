@@ -11,7 +11,9 @@ of ``--model.init_args.teacher FILE``. Images are seen as the teacher's eval tra
 (resize, centre crop, its normalisation), captions through its own tokenizer. Samples that cannot
 be decoded are skipped, named and counted (the loader skips them too). ``--ckpt`` takes every
 teacher ``model.teacher`` takes (``--model NAME`` for an open_clip state dict, ``--tokenizer DIR``
-for a Hugging Face tokenizer).
+for a Hugging Face tokenizer). Of a checkpoint trained with ``mmssl.callbacks.EMA`` the raw weights
+are read, as ``model.teacher`` reads them, or with ``--ema`` the average (``teacher.json`` records
+which: ``ema``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from mmssl.data.reading import Health, read_shards
 from mmssl.data.sources import expand_urls
 from mmssl.data.teacher_embeddings import FORMAT, MANIFEST, side_file, write_side_file
 from mmssl.data.transforms import eval_transform
+from mmssl.evaluation.encoders import add_ema_argument
 from mmssl.models.teacher import Teacher, load_teacher
 
 _ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
@@ -47,6 +50,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                                                  "open_clip_hf or transformers folder")
     p.add_argument("--model", help="open_clip model name or .json config of a state-dict --ckpt")
     p.add_argument("--tokenizer", help="local folder of the teacher's Hugging Face tokenizer, if its config names one")
+    add_ema_argument(p)
     p.add_argument("--data", required=True, help="shards: folder, brace pattern or ::-joined specs")
     p.add_argument("--output", required=True, help="folder to write (new or empty; --overwrite replaces an earlier one)")
     p.add_argument("--overwrite", action="store_true", help="replace the side files of an earlier run in --output")
@@ -140,10 +144,10 @@ def _body(args: argparse.Namespace) -> None:
     stems = [side_file(args.output, u) for u in urls]
     if len(set(stems)) != len(stems):
         raise ValueError(f"--data {args.data!r}: two shards share a file name, so their side files would collide")
-    teacher = load_teacher(args.ckpt, args.model, args.tokenizer)
+    teacher = load_teacher(args.ckpt, args.model, args.tokenizer, args.ema)
     os.makedirs(args.output, exist_ok=True)
     report = embed(teacher, urls, args.output, args)
-    manifest = {"format": FORMAT, "teacher": os.path.abspath(args.ckpt), "sha256": teacher.sha256,
+    manifest = {"format": FORMAT, "teacher": os.path.abspath(args.ckpt), "sha256": teacher.sha256, "ema": args.ema,
                 "embed_dim": teacher.embed_dim, "logit_scale": float(teacher.logit_scale),
                 "image_size": teacher.image_size, "image_mean": list(teacher.image_mean),
                 "image_std": list(teacher.image_std), "data": args.data, **report}

@@ -17,7 +17,9 @@ kept sets zero-shot through the start CLIP with the mix's encoder (mmssl/evaluat
 FLYP run, say): each mix's gain on the target is then also given as a share of the reference's
 gain (``ref gain``), and the plot shows the reference as a star.
 ``--export-alpha A --output FILE`` writes the mix at A as a checkpoint of the end's kind, which every
-tool and ``mmssl validate`` reads (``mmssl.checkpoints.load``).
+tool and ``mmssl validate`` reads (``mmssl.checkpoints.load``). ``--ema`` mixes the checkpoints' EMA
+of the weights (start, end and reference each must hold one) instead of their raw weights; a CLIP
+start with a classifier end mixes raw weights only.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 
 from mmssl.checkpoints.interpolate import DEFAULT_ALPHAS, check_alphas
 from mmssl.checkpoints.io import atomic_torch_save
+from mmssl.evaluation.encoders import add_ema_argument
 from mmssl.export.paths import check_output
 
 _ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
@@ -56,6 +59,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--output", help="the checkpoint --export-alpha writes")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to score")
+    add_ema_argument(p)
     add_loader_arguments(p)
     add_output_json(p)
     args = p.parse_args(argv)
@@ -86,7 +90,7 @@ def _wise_ft(args: argparse.Namespace) -> None:
             raise FileNotFoundError(f"no file or folder at {path!r}")
     from mmssl.evaluation.wise_ft import Pair, plot_wise_ft, wise_ft_curve  # builds models: after the checks
 
-    pair = Pair(args.start, args.end)
+    pair = Pair(args.start, args.end, args.ema)
     if args.target or args.keep:
         report = wise_ft_curve(pair, alphas, args.target, args.keep, args.batch_size, args.num_workers, args.limit,
                                torch.device(args.device), reference=args.reference)

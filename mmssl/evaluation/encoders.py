@@ -282,7 +282,8 @@ def load_encoder(path: str, model: Optional[str] = None, model_kwargs: Optional[
 
     Args:
         path: a Lightning ``.ckpt``, a state-dict file (with ``model``), or an export folder.
-        model, model_kwargs, model_class, ema: see :func:`load_model` (files only).
+        model, model_kwargs, model_class, ema: see :func:`load_model` (files only: ``ema`` is refused
+            for a folder).
 
     Returns:
         The module with the probe protocol, in eval mode, on the CPU.
@@ -291,4 +292,7 @@ def load_encoder(path: str, model: Optional[str] = None, model_kwargs: Optional[
         raise FileNotFoundError(f"--ckpt: nothing at {path!r}")
     loaders = {"open_clip_hf": load_open_clip_folder, "timm": load_timm_folder, "hf": load_hf_folder}
     kind = export_format(path)
+    if kind and ema:
+        raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this {kind} export folder "
+                         "holds one set of weights (export the average with tools/export.py --ema)")
     return loaders[kind](path) if kind else load_model(path, model, model_kwargs, model_class, ema)

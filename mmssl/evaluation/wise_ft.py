@@ -43,16 +43,24 @@ class Pair:
     Args:
         start: the start checkpoint (alpha 0): a CLIP, or the same kind as ``end``.
         end: the fine-tuned checkpoint (alpha 1).
+        ema: mix both checkpoints' EMA of the weights (``mmssl.callbacks.EMA``) instead of their raw
+            weights (:func:`mmssl.checkpoints.load.read_lightning`); each must hold one.
 
     Raises:
-        ValueError: checkpoints that cannot be mixed (the first mismatch named).
+        ValueError: checkpoints that cannot be mixed (the first mismatch named); ``ema`` for a
+            checkpoint without an average, or for a CLIP start with a classifier end (whose step 0 is
+            rebuilt from the CLIP file's raw weights).
     """
 
-    def __init__(self, start: str, end: str) -> None:
-        self.paths = (start, end)
-        self.start_ckpt, self.end_ckpt = read_lightning(start), read_lightning(end)
+    def __init__(self, start: str, end: str, ema: bool = False) -> None:
+        self.paths, self.ema = (start, end), ema
+        self.start_ckpt, self.end_ckpt = read_lightning(start, ema), read_lightning(end, ema)
         start_kind = checkpoint_kind(start, self.start_ckpt)
         self.kind = checkpoint_kind(end, self.end_ckpt)
+        if ema and start_kind.name == "CLIP" and self.kind.name == "ImageClassifier":
+            raise ValueError(f"--ema: {end} is a classifier fine-tuned from the CLIP {start}, whose step 0 is rebuilt "
+                             "from the CLIP file's raw weights (model.init_encoder); mix raw weights, or export the "
+                             "averages first (tools/export.py --ema)")
         # A LoRA checkpoint holds only its adapters: mix the merged weights, as every export would.
         self.start_ckpt = merged_checkpoint(start, self.start_ckpt, start_kind)
         self.end_ckpt = merged_checkpoint(end, self.end_ckpt, self.kind)
@@ -167,7 +175,7 @@ def wise_ft_curve(pair: Pair, alphas: Sequence[float], targets: Sequence[str], k
         ValueError: a reference that is not a fine-tune of the start's architecture (the first
             mismatch named).
     """
-    ref_pair = Pair(pair.paths[0], reference) if reference else None  # refused here, before any scoring
+    ref_pair = Pair(pair.paths[0], reference, pair.ema) if reference else None  # refused here, before any scoring
     points = []
     for alpha in alphas:
         start = time.perf_counter()

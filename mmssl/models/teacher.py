@@ -5,7 +5,9 @@ Any of the files mmssl writes or reads for a CLIP is a teacher:
 * an mmssl ``CLIP`` Lightning checkpoint (``mmssl fit``'s ``last.ckpt``): its class is checked
   against the one table of model kinds (:data:`mmssl.checkpoints.layouts.KINDS`), its open_clip
   model rebuilt from the ``model_name`` it records and its weights converted by the table's
-  ``clip_to_open_clip`` layout;
+  ``clip_to_open_clip`` layout. Of a checkpoint trained with ``mmssl.callbacks.EMA`` the **raw**
+  weights are read, as every tool reads them, unless ``ema`` asks for the average
+  (:func:`mmssl.checkpoints.read.lightning_weights`, the one place that decides);
 * an open_clip state dict (``tools/export.py --format open_clip``, or any open_clip release file)
   with ``teacher_model``: its open_clip model name or JSON config;
 * an ``open_clip_hf`` folder (``open_clip_config.json`` + ``open_clip_model.safetensors``:
@@ -34,6 +36,7 @@ from torch import Tensor, nn
 
 from mmssl.checkpoints import UnsafeCheckpointError, read_checkpoint
 from mmssl.checkpoints.layouts import clip_to_open_clip, detect_kind, kind_named, strip_ddp
+from mmssl.checkpoints.read import lightning_weights
 from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
 from mmssl.upstream import lightning_cli_class_path
 
@@ -171,9 +174,10 @@ def _open_clip_teacher(path: str, name: str, state: dict, tokenizer_dir: Optiona
     return Teacher(model, build_tokenizer(name, tokenizer_dir), tokenizer_signature(name, tokenizer_dir), path)
 
 
-def _lightning_teacher(path: str, checkpoint: dict, model_name: Optional[str], tokenizer_dir: Optional[str]) -> Teacher:
+def _lightning_teacher(path: str, checkpoint: dict, model_name: Optional[str], tokenizer_dir: Optional[str],
+                       ema: bool = False) -> Teacher:
     hparams = checkpoint.get("hyper_parameters") or {}
-    state = strip_ddp(checkpoint["state_dict"])
+    state = strip_ddp(lightning_weights(path, checkpoint, ema))
     recorded = lightning_cli_class_path(hparams)
     kind = kind_named(recorded) if recorded else detect_kind(state)
     if kind is None or kind.name != "CLIP":
@@ -230,7 +234,8 @@ def _hf_tokenizer(folder: str, context_length: int, config: Any) -> Callable:
     return HFTokenizer(folder, context_length=context_length)
 
 
-def load_teacher(path: str, model_name: Optional[str] = None, tokenizer_dir: Optional[str] = None) -> Teacher:
+def load_teacher(path: str, model_name: Optional[str] = None, tokenizer_dir: Optional[str] = None,
+                 ema: bool = False) -> Teacher:
     """Build the frozen teacher a file or folder holds (see the module docstring for the forms).
 
     Args:
@@ -238,6 +243,8 @@ def load_teacher(path: str, model_name: Optional[str] = None, tokenizer_dir: Opt
         model_name: the open_clip model name or JSON config of a state-dict file (and an override
             of what an mmssl checkpoint records).
         tokenizer_dir: local folder of the teacher's Hugging Face tokenizer, when its config names one.
+        ema: a Lightning checkpoint's EMA of the weights (``mmssl.callbacks.EMA``) instead of its raw
+            weights, the default; refused for a file or folder without one.
 
     Returns:
         The teacher on the CPU, frozen, in eval mode.
@@ -246,19 +253,23 @@ def load_teacher(path: str, model_name: Optional[str] = None, tokenizer_dir: Opt
         FileNotFoundError: no such file or folder, or a tokenizer not on disk (the message holds
             the command that fetches it).
         UnsafeCheckpointError: the weights file pickles code (nothing of it ran).
-        ValueError: an unreadable file, a non-CLIP checkpoint, weights that do not fit the model.
+        ValueError: an unreadable file, a non-CLIP checkpoint, weights that do not fit the model,
+            ``ema`` for a teacher without averaged weights.
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"{KEY}: no teacher file or folder at {path!r}")
-    if os.path.isdir(path):
+    checkpoint = None if os.path.isdir(path) else _read(path)
+    if ema and not isinstance((checkpoint or {}).get("state_dict"), dict):
+        raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this teacher is an export "
+                         "or state dict, which holds one set of weights")
+    if checkpoint is None:
         if os.path.isfile(os.path.join(path, OPEN_CLIP_HF_CONFIG)):
             return _open_clip_hf_teacher(path, tokenizer_dir)
         if os.path.isfile(os.path.join(path, HF_CONFIG)):
             return _hf_teacher(path)
         raise FileNotFoundError(f"{KEY}: the folder {path!r} holds neither {OPEN_CLIP_HF_CONFIG} nor {HF_CONFIG}")
-    checkpoint = _read(path)
     if isinstance(checkpoint.get("state_dict"), dict):
-        return _lightning_teacher(path, checkpoint, model_name, tokenizer_dir)
+        return _lightning_teacher(path, checkpoint, model_name, tokenizer_dir, ema)
     if model_name is None:
         raise ValueError(f"{KEY}: {path} is a state dict: name its open_clip model or JSON config with "
                          "model.init_args.teacher_model")
