@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     ema = EMA(decay=0.999)
-    average = AveragedModel(module, device=device, use_buffers=True, multi_avg_fn=ema._update)
+    average = AveragedModel(module, device=device, use_buffers=True, multi_avg_fn=ema.update_average)
     added = (torch.cuda.memory_allocated(device) - before) if device.type == "cuda" else None
 
     def train_step() -> None:

@@ -28,9 +28,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-# Prefixes that wrappers insert into parameter names (FSDP 1, activation checkpointing,
-# torch.compile); the name a recipe's pattern sees has them removed.
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+from mmssl.upstream import unwrapped_name
 
 # ``no_weight_decay`` entry that stands for "every parameter built with fewer than 2 dimensions"
 # (biases, norm gains, scalars such as logit_scale): the shape rule of open_clip, timm and MAE.
@@ -38,10 +36,10 @@ NDIM_LT_2 = "ndim<2"
 
 
 def clean_name(name: str) -> str:
-    """A parameter's name with wrapper prefixes removed (``a._fsdp_wrapped_module.b`` -> ``a.b``)."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
+    """A parameter's name with wrapper prefixes removed (``a._fsdp_wrapped_module.b`` -> ``a.b``):
+    the name a recipe's ``no_weight_decay`` pattern sees (FSDP 1, activation checkpointing and
+    ``torch.compile`` insert them; :func:`mmssl.upstream.unwrapped_name`)."""
+    return unwrapped_name(name)
 
 
 def record_shapes(module: nn.Module) -> dict[str, int]:

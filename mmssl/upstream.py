@@ -100,6 +100,37 @@ def set_lightning_logging_step(trainer: pl.Trainer, step: int) -> None:
     trainer.fit_loop.epoch_loop._batches_that_stepped = step
 
 
+def weight_averaging_model(callback: Any) -> Optional[nn.Module]:
+    """The ``AveragedModel`` of Lightning's ``WeightAveraging`` callback (``None`` before ``fit``).
+
+    Assumes ``WeightAveraging._average_model``, which its ``setup`` creates on ``fit`` and its
+    other hooks (the update after each step, the swap around validation, the checkpoint's
+    averaged ``state_dict``, the copy at the end) all read. No public getter exists.
+
+    Args:
+        callback: a ``WeightAveraging`` (or subclass).
+
+    Returns:
+        The ``torch.optim.swa_utils.AveragedModel``, or ``None``.
+    """
+    return callback._average_model
+
+
+def set_weight_averaging_model(callback: Any, model: nn.Module) -> None:
+    """Give ``WeightAveraging`` the ``AveragedModel`` its hooks update, swap and save.
+
+    For a subclass whose ``setup`` builds the average itself (mmssl's EMA: its own ``multi_avg_fn``
+    and no ``configure_model`` warning). Assumes what :func:`weight_averaging_model` does, and that
+    ``WeightAveraging.setup`` sets nothing but that attribute, so a ``setup`` that calls this
+    instead loses nothing. No public setter exists.
+
+    Args:
+        callback: a ``WeightAveraging``.
+        model: a ``torch.optim.swa_utils.AveragedModel`` of the LightningModule.
+    """
+    callback._average_model = model
+
+
 # torch optimizers --------------------------------------------------------------------------------
 
 
@@ -138,6 +169,44 @@ def clear_found_inf(optimizer: torch.optim.Optimizer) -> None:
     """Remove the flag :func:`set_found_inf` set, so a later step does not read a stale one."""
     if hasattr(optimizer, "found_inf"):
         del optimizer.found_inf
+
+
+# torch wrappers and norm layers ------------------------------------------------------------------
+
+# Prefixes that torch's wrappers insert into the parameter names of the module they wrap: FSDP 1
+# (``FullyShardedDataParallel``'s ``_fsdp_wrapped_module``), activation checkpointing
+# (``checkpoint_wrapper``'s ``_checkpoint_wrapped_module``) and ``torch.compile``
+# (``OptimizedModule._orig_mod``). FSDP2's ``fully_shard`` inserts none (it swaps parameters for
+# DTensors in place), nor does DDP (its ``module.`` sits outside the LightningModule's names).
+WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def unwrapped_name(name: str) -> str:
+    """A parameter's name as the module was built, with wrapper prefixes removed.
+
+    Assumes :data:`WRAPPER_PREFIXES` are what the wrappers insert; no public API maps a wrapped
+    name back (FSDP 1's ``clean_tensor_name`` is private, compile and checkpointing have none).
+
+    Args:
+        name: e.g. ``visual._fsdp_wrapped_module.blocks.0.weight``.
+
+    Returns:
+        e.g. ``visual.blocks.0.weight``.
+    """
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def is_batch_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a torch batch norm of any kind (1d/2d/3d, lazy, sync, subclasses
+    such as timm's ``BatchNormAct2d``).
+
+    Assumes they all derive from torch's ``nn.modules.batchnorm._BatchNorm``, the base that holds
+    the running statistics; torch offers no public base class for them (``_NormBase`` is private
+    too, and also the base of the instance norms).
+    """
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
 
 # torch DistributedDataParallel ---------------------------------------------------------------------

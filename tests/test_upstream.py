@@ -140,6 +140,58 @@ def test_lightning_cli_records_the_class_path_in_hparams(tmp_path, monkeypatch):
     assert hparams.get("width") == 5
 
 
+class _Averaging(pl.callbacks.WeightAveraging):
+    """WeightAveraging whose setup hands it an AveragedModel built here, as mmssl's EMA does."""
+
+    def __init__(self) -> None:
+        super().__init__(use_buffers=True)
+        self.mine = None
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        if stage == "fit":
+            from torch.optim.swa_utils import AveragedModel
+
+            self.mine = AveragedModel(pl_module, use_buffers=True)
+            upstream.set_weight_averaging_model(self, self.mine)
+
+
+def test_lightning_weight_averaging_setup_sets_only_the_average():
+    callback = pl.callbacks.WeightAveraging(use_buffers=True)
+    assert upstream.weight_averaging_model(callback) is None, _changed(
+        "Lightning", "WeightAveraging._average_model", "it is not None before fit")
+    before = dict(vars(callback))
+    callback.setup(pl.Trainer(logger=False, accelerator="cpu"), BoringModel(), "fit")
+    after = dict(vars(callback))
+    average = upstream.weight_averaging_model(callback)
+    assert isinstance(average, torch.optim.swa_utils.AveragedModel), _changed(
+        "Lightning", "WeightAveraging.setup", f"on fit it left {type(average).__name__} in _average_model")
+    changed = sorted(k for k in after if k not in before or after[k] is not before[k])
+    assert changed == ["_average_model"], _changed(
+        "Lightning", "WeightAveraging.setup", f"it now sets {changed}: mmssl's EMA.setup, which replaces it, "
+        "sets only _average_model")
+
+
+def test_lightning_weight_averaging_hooks_use_the_average_set():
+    callback = _Averaging()
+    trainer = pl.Trainer(max_steps=3, logger=False, callbacks=[callback], enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                         limit_val_batches=0, accelerator="cpu", devices=1)
+    module = BoringModel()
+    trainer.fit(module)
+    average = callback.mine
+    assert upstream.weight_averaging_model(callback) is average
+    assert int(average.n_averaged) == 3, _changed(
+        "Lightning", "WeightAveraging._average_model",
+        f"after 3 steps the AveragedModel set there was updated {int(average.n_averaged)} times, not 3")
+    averaged = average.module.layer.weight
+    assert torch.equal(module.layer.weight, averaged), _changed(
+        "Lightning", "WeightAveraging._average_model", "on_train_end no longer copies its weights into the module")
+    checkpoint = {"state_dict": {}}
+    callback.on_save_checkpoint(trainer, module, checkpoint)
+    assert torch.equal(checkpoint["state_dict"]["layer.weight"], averaged), _changed(
+        "Lightning", "WeightAveraging._average_model", "on_save_checkpoint no longer saves its weights as state_dict")
+
+
 # torch optimizers --------------------------------------------------------------------------------
 
 
@@ -167,6 +219,66 @@ def test_fused_adam_skips_a_step_on_found_inf():
     plain = torch.optim.SGD([param], lr=0.1)
     assert not upstream.takes_found_inf(plain), _changed(
         "torch", "Optimizer._step_supports_amp_scaling", "SGD (not fused) now claims it")
+
+
+# torch wrappers and norm layers ------------------------------------------------------------------
+
+
+def _names(module: nn.Module) -> list[str]:
+    return [n for n, _ in module.named_parameters()]
+
+
+def test_torch_compile_and_checkpoint_wrapper_prefixes():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    built = ["0.weight", "0.bias", "1.weight", "1.bias"]
+    compiled = torch.compile(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)))  # lazy: nothing is compiled here
+    assert [upstream.unwrapped_name(n) for n in _names(compiled)] == built, _changed(
+        "torch", "torch.compile's OptimizedModule._orig_mod", f"its parameters are named {_names(compiled)}")
+    checkpointed = nn.Sequential(checkpoint_wrapper(nn.Linear(3, 3)), nn.Linear(3, 3))
+    assert [upstream.unwrapped_name(n) for n in _names(checkpointed)] == built, _changed(
+        "torch", "checkpoint_wrapper's _checkpoint_wrapped_module", f"its parameters are named {_names(checkpointed)}")
+
+
+def test_fsdp_parameter_names():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already up")
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    built = ["0.weight", "0.bias", "1.0.weight", "1.0.bias"]
+    with tempfile.TemporaryDirectory() as root:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(root, 'store')}",
+                                             rank=0, world_size=1)
+        try:
+            fsdp1 = FullyShardedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3))),
+                                             use_orig_params=True, device_id=torch.device("cpu"),
+                                             auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+            names = _names(fsdp1)
+            assert any("_fsdp_wrapped_module." in n for n in names) and [
+                upstream.unwrapped_name(n) for n in names] == built, _changed(
+                "torch", "FSDP 1's _fsdp_wrapped_module", f"its parameters are named {names}")
+            fsdp2 = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3)))
+            fully_shard(fsdp2[1])
+            fully_shard(fsdp2)
+            assert _names(fsdp2) == built, _changed(
+                "torch", "FSDP2's fully_shard", f"it now renames parameters: {_names(fsdp2)}; add its prefix to "
+                "mmssl.upstream.WRAPPER_PREFIXES")
+        finally:
+            torch.distributed.destroy_process_group()
+
+
+def test_torch_batch_norms_share_the_private_base():
+    from timm.layers import BatchNormAct2d
+
+    norms = [getattr(nn, name)(4) for name in dir(nn) if "BatchNorm" in name and not name.startswith("Lazy")]
+    norms += [nn.LazyBatchNorm2d(), BatchNormAct2d(4)]
+    assert len(norms) >= 5 and all(upstream.is_batch_norm(m) for m in norms), _changed(
+        "torch", "nn.modules.batchnorm._BatchNorm",
+        f"not the base of {[type(m).__name__ for m in norms if not upstream.is_batch_norm(m)]}")
+    others = [nn.LayerNorm(4), nn.GroupNorm(2, 4), nn.InstanceNorm2d(4), nn.Linear(4, 4)]
+    assert not any(upstream.is_batch_norm(m) for m in others), _changed(
+        "torch", "nn.modules.batchnorm._BatchNorm", "a norm without running batch statistics now derives from it")
 
 
 # torch DistributedDataParallel ---------------------------------------------------------------------

@@ -30,13 +30,14 @@ from typing import Any, Literal, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import WeightAveraging
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics import Metric
 
 from mmssl.checkpoints.read import RAW_WEIGHTS, has_averaged_weights, read_checkpoint
+from mmssl.distributed import is_sharded
+from mmssl.upstream import set_weight_averaging_model, weight_averaging_model
 
 __all__ = ["EMA", "EVALUATE", "SUFFIX", "ema_decay"]
 
@@ -114,7 +115,14 @@ class EMA(WeightAveraging):
     # ---- averaging -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def _update(self, averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
+    def update_average(self, averaged: list[Tensor], current: list[Tensor], num_averaged: Tensor) -> None:
+        """The ``multi_avg_fn`` of the ``AveragedModel``: one EMA step at this step's decay.
+
+        Args:
+            averaged: the average's tensors of one device and dtype (updated in place).
+            current: the module's matching tensors.
+            num_averaged: updates so far (torch's counter; the decay here is a function of the step).
+        """
         # AveragedModel groups the tensors by device and dtype: one call per group. Copied, not
         # averaged: integer buffers (BatchNorm's num_batches_tracked), as timm ModelEmaV3 does, and
         # non-persistent buffers (constants outside the checkpoint, like open_clip's causal mask
@@ -141,12 +149,13 @@ class EMA(WeightAveraging):
 
     def averaged_module(self) -> Optional[pl.LightningModule]:
         """The module holding the averaged weights (``None`` before ``fit`` / ``validate`` set it up)."""
-        return self._average_model.module if self._average_model is not None else self._copy
+        average = weight_averaging_model(self)
+        return average.module if average is not None else self._copy
 
     # ---- set-up --------------------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+        if is_sharded(trainer.strategy):
             raise ValueError(f"EMA: {type(trainer.strategy).__name__} shards the weights and WeightAveraging keeps a "
                              "whole copy on every device: use EMA with DDP or one device")
         if stage == "fit":
@@ -154,12 +163,13 @@ class EMA(WeightAveraging):
             # under FSDP, refused above): the layers exist before the copy is made.
             if is_overridden("configure_model", pl_module):
                 pl_module.configure_model()
-            self._average_model = AveragedModel(pl_module, device=pl_module.device, use_buffers=True,
-                                                multi_avg_fn=self._update)
-            module = self._average_model.module
+            average = AveragedModel(pl_module, device=pl_module.device, use_buffers=True,
+                                    multi_avg_fn=self.update_average)
+            set_weight_averaging_model(self, average)
+            module = average.module
             persistent = set(module.state_dict())
             self._copied = {b.data_ptr() for name, b in module.named_buffers() if name not in persistent and b.numel()}
-            self._attach(self._average_model.module, trainer, pl_module)
+            self._attach(module, trainer, pl_module)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``mmssl validate``: Lightning has loaded ``state_dict``, the averaged weights of an EMA

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 
 from mmssl.checkpoints.layouts import StateDict, detect_kind, kind_named
+from mmssl.upstream import lightning_cli_class_path
 
 # Hyper-parameters that fix a module's architecture (the others, an LR or a warm-up, may differ
 # between the start and the fine-tuned end).
@@ -113,7 +114,7 @@ def architecture_mismatch(start: dict[str, Any], end: dict[str, Any]) -> Optiona
     """
     kinds = []
     for ckpt in (start, end):
-        recorded = (ckpt.get("hyper_parameters") or {}).get("_class_path")
+        recorded = lightning_cli_class_path(ckpt.get("hyper_parameters") or {})
         kind = kind_named(recorded) if recorded else detect_kind(ckpt["state_dict"])
         kinds.append(kind.name if kind is not None else recorded)
     if kinds[0] != kinds[1]:

@@ -61,8 +61,20 @@ def _activation(block: ResidualAttentionBlock, where: str) -> str:
     raise NotRepresentable(f"{where}: activation {act!r} (CLIPModel has gelu and quick_gelu)")
 
 
-def _check_blocks(blocks: nn.ModuleList, where: str) -> tuple[str, float]:
-    """The tower's activation and LayerNorm eps; refuse blocks CLIPEncoderLayer cannot be."""
+def check_blocks(blocks: nn.ModuleList, where: str) -> tuple[str, float]:
+    """The tower's activation and LayerNorm eps; refuse blocks CLIPEncoderLayer cannot be
+    (SigLIP's text tower has the same blocks, so :mod:`mmssl.export.hf_siglip` asks this too).
+
+    Args:
+        blocks: open_clip ``ResidualAttentionBlock`` s of one tower.
+        where: the tower, for the message.
+
+    Returns:
+        ``(activation name, eps)`` shared by every block.
+
+    Raises:
+        NotRepresentable: a block transformers' encoder layer cannot be.
+    """
     acts, eps = set(), set()
     for i, block in enumerate(blocks):
         name = f"{where} block {i}"
@@ -97,7 +109,7 @@ def check_representable(model: nn.Module) -> None:
     size = visual.image_size if isinstance(visual.image_size, (tuple, list)) else (visual.image_size,) * 2
     if size[0] != size[1] or visual.proj is None or not isinstance(visual.proj, nn.Parameter):
         raise NotRepresentable(f"non-square images {size} or an image projection that is not a plain matrix")
-    _check_blocks(visual.transformer.resblocks, "image tower")
+    check_blocks(visual.transformer.resblocks, "image tower")
     text = _text_tower(model)
     pool = getattr(text, "text_pool_type", getattr(text, "pool_type", None))
     if getattr(text, "attn_mask", None) is None or pool not in ("argmax", "eos") or getattr(text, "cls_emb", None) is not None:
@@ -106,7 +118,7 @@ def check_representable(model: nn.Module) -> None:
     projection = text.text_projection
     if isinstance(projection, nn.Linear) and projection.bias is not None:
         raise NotRepresentable("text projection with a bias (CLIPModel's has none)")
-    _check_blocks(text.transformer.resblocks, "text tower")
+    check_blocks(text.transformer.resblocks, "text tower")
     tokenizer_vocab = len(SimpleTokenizer().encoder)
     if text.token_embedding.num_embeddings != tokenizer_vocab:
         raise NotRepresentable(f"text vocabulary of {text.token_embedding.num_embeddings} tokens: the tokenizer files "
@@ -132,7 +144,8 @@ def _blocks(blocks: nn.ModuleList, prefix: str) -> StateDict:
     return out
 
 
-def _norm(module: nn.LayerNorm, key: str) -> StateDict:
+def norm_tensors(module: nn.LayerNorm, key: str) -> StateDict:
+    """A LayerNorm's weight and bias under transformers' ``key.weight`` / ``key.bias``."""
     return {key + ".weight": module.weight, key + ".bias": module.bias}
 
 
@@ -146,14 +159,14 @@ def hf_state_dict(model: nn.Module) -> StateDict:
         "vision_model.embeddings.class_embedding": visual.class_embedding,
         "vision_model.embeddings.patch_embedding.weight": visual.conv1.weight,
         "vision_model.embeddings.position_embedding.weight": visual.positional_embedding,
-        **_norm(visual.ln_pre, "vision_model.pre_layrnorm"),  # sic: transformers' spelling
+        **norm_tensors(visual.ln_pre, "vision_model.pre_layrnorm"),  # sic: transformers' spelling
         **_blocks(visual.transformer.resblocks, "vision_model"),
-        **_norm(visual.ln_post, "vision_model.post_layernorm"),
+        **norm_tensors(visual.ln_post, "vision_model.post_layernorm"),
         "visual_projection.weight": visual.proj.T,  # open_clip: x @ proj, (D, E); Linear: (E, D)
         "text_model.embeddings.token_embedding.weight": text.token_embedding.weight,
         "text_model.embeddings.position_embedding.weight": text.positional_embedding,
         **_blocks(text.transformer.resblocks, "text_model"),
-        **_norm(text.ln_final, "text_model.final_layer_norm"),
+        **norm_tensors(text.ln_final, "text_model.final_layer_norm"),
         "text_projection.weight": projection,
     }
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
@@ -162,8 +175,8 @@ def hf_state_dict(model: nn.Module) -> StateDict:
 def hf_config(model: nn.Module) -> dict[str, Any]:
     """``CLIPConfig`` keyword arguments describing ``model`` (checked by :func:`check_representable`)."""
     visual, text = model.visual, _text_tower(model)
-    v_act, v_eps = _check_blocks(visual.transformer.resblocks, "image tower")
-    t_act, t_eps = _check_blocks(text.transformer.resblocks, "text tower")
+    v_act, v_eps = check_blocks(visual.transformer.resblocks, "image tower")
+    t_act, t_eps = check_blocks(text.transformer.resblocks, "text tower")
     v_block, t_block = visual.transformer.resblocks[0], text.transformer.resblocks[0]
     size = visual.image_size if isinstance(visual.image_size, (tuple, list)) else (visual.image_size,)
     embed_dim = visual.proj.shape[1]

@@ -28,7 +28,7 @@ import torch
 from open_clip.transformer import QuickGELU, TextTransformer
 from torch import nn
 
-from mmssl.export.hf import NotRepresentable, _check_blocks, _norm, write_tokenizer_files
+from mmssl.export.hf import NotRepresentable, check_blocks, norm_tensors, write_tokenizer_files
 
 StateDict = dict[str, torch.Tensor]
 
@@ -95,7 +95,7 @@ def _check_text_tower(text: nn.Module) -> tuple[str, float]:
                                "the last position")
     if not isinstance(text.text_projection, nn.Linear):
         raise NotRepresentable("text projection that is not a linear layer (SiglipTextModel's head is one)")
-    _, eps = _check_blocks(text.transformer.resblocks, "text tower")
+    _, eps = check_blocks(text.transformer.resblocks, "text tower")
     acts = {_act_name(block.mlp.gelu, f"text tower block {i}") for i, block in enumerate(text.transformer.resblocks)}
     if text.ln_final.eps != eps or len(acts) != 1:
         raise NotRepresentable(f"text tower: final LayerNorm eps {text.ln_final.eps} vs the blocks' {eps}, or mixed "
@@ -143,19 +143,19 @@ def siglip_state_dict(model: nn.Module) -> StateDict:
         "vision_model.embeddings.patch_embedding.bias": trunk.patch_embed.proj.bias,
         "vision_model.embeddings.position_embedding.weight": trunk.pos_embed[0],  # (1, N, D) -> (N, D)
         **_blocks(trunk.blocks, "vision_model", timm=True),
-        **_norm(trunk.norm, "vision_model.post_layernorm"),
+        **norm_tensors(trunk.norm, "vision_model.post_layernorm"),
         head + "probe": pool.latent,  # (1, 1, D)
         # timm's pool: q(latent), kv(x) -> k, v; nn.MultiheadAttention fuses them in q, k, v order.
         head + "attention.in_proj_weight": torch.cat([pool.q.weight, pool.kv.weight]),  # (3D, D)
         head + "attention.in_proj_bias": torch.cat([pool.q.bias, pool.kv.bias]),
         head + "attention.out_proj.weight": pool.proj.weight, head + "attention.out_proj.bias": pool.proj.bias,
-        **_norm(pool.norm, head + "layernorm"),
+        **norm_tensors(pool.norm, head + "layernorm"),
         head + "mlp.fc1.weight": pool.mlp.fc1.weight, head + "mlp.fc1.bias": pool.mlp.fc1.bias,
         head + "mlp.fc2.weight": pool.mlp.fc2.weight, head + "mlp.fc2.bias": pool.mlp.fc2.bias,
         "text_model.embeddings.token_embedding.weight": text.token_embedding.weight,
         "text_model.embeddings.position_embedding.weight": text.positional_embedding,
         **_blocks(text.transformer.resblocks, "text_model", timm=False),
-        **_norm(text.ln_final, "text_model.final_layer_norm"),
+        **norm_tensors(text.ln_final, "text_model.final_layer_norm"),
         "text_model.head.weight": projection.weight,
         "text_model.head.bias": projection.bias if projection.bias is not None else projection.weight.new_zeros(
             projection.out_features),  # SiglipTextModel's head always has a bias: 0 is the same map
@@ -223,7 +223,8 @@ def write_siglip(module: nn.Module, output: str) -> StateDict:
 
     os.makedirs(output, exist_ok=True)
     context = model.text.positional_embedding.shape[0]
-    tokenizer = _tokenizer(module._tokenizer_dir, output, context)
+    # The constructor's ``tokenizer`` (a local HF tokenizer folder, or None), as the model recorded it.
+    tokenizer = _tokenizer(module.hparams.get("tokenizer"), output, context)
     config = siglip_config(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     hf_model = SiglipModel(SiglipConfig(**config)).eval()
     state = siglip_state_dict(model)

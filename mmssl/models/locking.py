@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from mmssl.upstream import is_batch_norm
+
 
 @dataclass(frozen=True)
 class LockOptions:
@@ -54,7 +56,7 @@ def text_groups(model: nn.Module) -> int:
 
 
 def _has_batch_norm(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    return any(is_batch_norm(m) for m in module.modules())
 
 
 def check_lock_options(model: nn.Module, options: LockOptions) -> None:
