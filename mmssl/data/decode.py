@@ -77,7 +77,10 @@ def open_image(data: bytes, min_size: Optional[int] = None,
         min_size: smallest side the transform needs; a JPEG whose both sides exceed twice this is
             decoded at 1/2, 1/4 or 1/8 scale by libjpeg's DCT scaling (Pillow's ``Image.draft``),
             which picks the largest reduction that keeps both sides >= ``min_size``. Decoding a
-            1024-pixel JPEG for a 224-pixel model this way is several times faster.
+            1024-pixel JPEG for a 224-pixel model this way is several times faster, but gives other
+            pixels than a full decode and resize: a training option only. Evaluation passes
+            ``None``, so that its figures are those of every evaluator (open_clip's preprocess,
+            CLIP_benchmark), which decode in full.
         max_pixels: largest width x height decoded, read from the header (``Image.open`` reads
             only the header) before any pixel is; ``None``: no limit of mmssl's (PIL's own
             ``Image.MAX_IMAGE_PIXELS`` x 2 still applies).
@@ -121,7 +124,7 @@ def draft_size(image_size: int, min_crop_scale: float = 1.0) -> int:
 
     Args:
         image_size: model input side.
-        min_crop_scale: smallest crop area fraction (1.0 for eval's resize + centre crop).
+        min_crop_scale: smallest crop area fraction of the training crop.
 
     Returns:
         The ``min_size`` to pass to :func:`open_image`.
@@ -148,7 +151,8 @@ class SampleDecoder:
         text_key: extension holding the caption.
         label_key: extension holding an integer class (optional in the sample), read by
             :func:`parse_label`.
-        min_size: reduced-size JPEG decode target, see :func:`open_image`; ``None`` disables it.
+        min_size: reduced-size JPEG decode target, see :func:`open_image`; ``None`` (always for
+            held-out data) decodes in full.
         batch_transform: applied to the stacked ``(B, 3, H, W)`` images in :meth:`collate`
             (e.g. :class:`~mmssl.data.transforms.BatchNormalize` after a uint8 ``transform``).
         num_classes: labels must lie in ``[0, num_classes)``; ``None``: any int64 >= 0.

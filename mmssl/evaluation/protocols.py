@@ -23,6 +23,7 @@ from torch import Tensor
 from mmssl.evaluation.bootstrap import ClassRecall, Figure, MeanOf, Ratio
 from mmssl.evaluation.knn import knn_scores
 from mmssl.evaluation.linear import fit_adamw_cosine, fit_linear, fit_mae_linear
+from mmssl.retrieval import places
 
 # CLIP appendix A.3: "the L2 regularization strength lambda ... between 10^-6 and 10^6, with 96
 # logarithmically spaced steps", searched from [10^-6, 10^-4, ..., 10^6] by halving the interval
@@ -236,20 +237,14 @@ def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels:
     return classification_figures(logits, test_labels, num_classes, "lp_"), settings
 
 
-def _rank(scores: Tensor, target: Tensor) -> Tensor:
-    """(b, N) scores, (b,) one candidate each -> (b,) how many candidates rank before it: higher
-    scores, and equal scores at a lower index (a stable sort's order; captions repeat, so ties occur)."""
-    own = scores.gather(1, target[:, None])  # (b, 1)
-    before = torch.arange(scores.shape[1])[None, :] < target[:, None]  # (b, N)
-    return ((scores > own) | ((scores == own) & before)).sum(dim=1)
-
-
 def retrieval(image: Tensor, text: Tensor, text_image: Tensor, recall_k: Sequence[int]) -> dict[str, Figure]:
     """Image-text retrieval recall@k, units the images (each with its captions).
 
     As CLIP_benchmark's ``zeroshot_retrieval``: ``image_retrieval_recall@k`` is, per caption,
     whether its image is among the k images most similar to it; ``text_retrieval_recall@k`` is,
-    per image, whether any of its captions is among the k most similar captions.
+    per image, whether any of its captions is among the k most similar captions. Ties (repeated
+    captions or images) follow :mod:`mmssl.retrieval`'s convention, as training validation does:
+    another image's identical caption is a negative, and equal scores rank the lower index first.
 
     Args:
         image: (N, D) L2-normalised image embeddings.
@@ -269,14 +264,14 @@ def retrieval(image: Tensor, text: Tensor, text_image: Tensor, recall_k: Sequenc
     for start in range(0, text.shape[0], block):  # caption queries -> images
         scores = text[start:start + block].float() @ image.float().T  # (b, N)
         target = text_image[start:start + block]
-        rank = _rank(scores, target)  # (b,) 0 = first
+        rank = places(scores, target)  # (b,) 0 = first
         for i, k in enumerate(ks):
             image_hits[i].index_add_(0, target, (rank < k).float())
     for start in range(0, n, block):  # image queries -> captions
         scores = image[start:start + block].float() @ text.float().T  # (b, M)
         own = text_image[None, :] == torch.arange(start, min(start + block, n))[:, None]  # (b, M)
         best = scores.masked_fill(~own, -math.inf).argmax(dim=1)  # (b,) the best own caption, first on ties
-        rank = _rank(scores, best)
+        rank = places(scores, best)
         for i, k in enumerate(ks):
             text_hits[i, start:start + block] = (rank < k).float()
     has_caption = (captions > 0).float()

@@ -27,6 +27,7 @@ from mmssl.evaluation.bootstrap import Figure, bootstrap_draws, draw_counts, per
 from mmssl.evaluation.features import frozen_eval, image_features
 from mmssl.evaluation.suite import SetSpec, Suite
 from mmssl.evaluation.zero_shot import build_zero_shot_classifier
+from mmssl.retrieval import tied_rows
 
 # CLIP_benchmark's task names for the suite's tasks (k-NN has none there: named as here).
 CB_TASK = {"zero_shot": "zeroshot_classification", "linear_probe": "linear_probe", "knn": "knn",
@@ -213,7 +214,10 @@ class Runner:
             text, owner = encode_captions(self.model, test.captions or [], self.device)
             image = F.normalize(test.features.float(), dim=-1)
             ks = options.get("recall_k", [1, 5, 10])
-            return protocols.retrieval(image, text, owner, ks), test.index, {"num_captions": int(owner.shape[0])}
+            # Items that tie with a duplicate (mmssl.retrieval's convention ranks the lower index first).
+            settings = {"num_captions": int(owner.shape[0]), "tied_captions": tied_rows(text),
+                        "tied_images": tied_rows(image)}
+            return protocols.retrieval(image, text, owner, ks), test.index, settings
         assert train is not None  # the suite refuses probes without a train set
         if task == "knn":
             figures, settings = protocols.knn(train.features, train.labels, test.features, test.labels,

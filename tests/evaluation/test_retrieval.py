@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,3 +62,44 @@ def test_one_process_distributed_hits_are_the_hits_of_both_directions():
     metrics = retrieval_metrics(image, text)
     assert {name: float(h.mean()) for name, h in hits.items()} == pytest.approx(metrics)
     assert hits["t2i_R@1"].tolist() != hits["i2t_R@1"].tolist()  # the directions really differ here
+
+
+def _tied_pairs() -> tuple[torch.Tensor, torch.Tensor]:
+    """Six pairs: captions 1 and 4 identical (two images of one kind), images 2 and 5 identical."""
+    e = torch.eye(8)
+    image = torch.stack([e[0], e[1], e[2], e[3], F.normalize(e[1] + 0.1 * e[4], dim=0), e[2]])
+    text = torch.stack([e[0], e[1], e[2], e[3], e[1], F.normalize(e[2] + 0.1 * e[5], dim=0)])
+    return image, text
+
+
+def test_ties_follow_one_convention_in_validation_and_the_suite(caplog, monkeypatch):
+    from mmssl import retrieval
+    from mmssl.evaluation import protocols
+    from mmssl.retrieval import tied_rows
+
+    monkeypatch.setattr(retrieval, "_reported", set())  # the counts are logged once per process
+
+    image, text = _tied_pairs()
+    assert (tied_rows(text), tied_rows(image)) == (2, 2)
+    # Image 4 ties its own caption with caption 1 (identical): the lower index comes first, so it
+    # misses at k = 1; image 5 scores caption 2 above its own. Caption 4 ranks image 1 first (no
+    # tie), caption 5 ties images 2 and 5 (identical) and finds image 2 first.
+    want_i2t, want_t2i = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    lightning_log = logging.getLogger("lightning.pytorch")  # it does not propagate to the root
+    lightning_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO"):
+            hits = distributed_retrieval_hits(image, text)
+    finally:
+        lightning_log.removeHandler(caplog.handler)
+    assert hits["i2t_R@1"].tolist() == want_i2t and hits["t2i_R@1"].tolist() == want_t2i
+    assert hits["i2t_R@5"].tolist() == [1.0] * 6
+    assert "of 6 held-out pairs, 2 captions and 2 images repeat" in caplog.text
+    # The suite's retrieval (tools/evaluate.py), one caption per image: the same hits per unit.
+    figures = protocols.retrieval(image, text, torch.arange(6), [1, 5])
+    assert figures["text_retrieval_recall@1"].point() == pytest.approx(sum(want_i2t) / 6)
+    assert figures["image_retrieval_recall@1"].point() == pytest.approx(sum(want_t2i) / 6)
+    # Swapping pairs 1 and 4 moves the hit to the pair now first of the tie (old pair 4): the
+    # order decides, not the sort's chance.
+    swap = torch.tensor([0, 4, 2, 3, 1, 5])
+    assert distributed_retrieval_hits(image[swap], text[swap])["i2t_R@1"].tolist() == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
