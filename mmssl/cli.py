@@ -140,8 +140,9 @@ class MMSSLCLI(LightningCLI):
             # Lightning's SLURM handler saves hpc_ckpt_N.ckpt into default_root_dir, and on SLURM
             # resumes from the newest one there by itself: the run folder keeps them to its run.
             kwargs["default_root_dir"] = plan.folder
-        elif isinstance(ckpt_path, str) and os.path.isfile(ckpt_path):
+        elif isinstance(ckpt_path, str) and os.path.exists(ckpt_path):
             check_checkpoint(ckpt_path)  # a truncated file is named, not a bare EOFError
+        _safe_model_parallel(config, self._subcommand_value(self.config, "trainer", {}), kwargs)
         trainer = super().instantiate_trainer(**kwargs)
         if not _configured_checkpoint_io(config, self._subcommand_value(self.config, "trainer", {})) and \
                 type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
@@ -150,6 +151,22 @@ class MMSSLCLI(LightningCLI):
         # must see its correction of the logging step.
         trainer.callbacks.sort(key=lambda callback: not isinstance(callback, LogStepOnResume))
         return trainer
+
+
+def _safe_model_parallel(trainer_init: Any, trainer_config: Any, kwargs: dict) -> None:
+    """Lightning's ``ModelParallelStrategy`` named in a config runs as mmssl's
+    :class:`~mmssl.checkpoints.sharded.FSDP2Strategy`, with the same arguments: its checkpoint
+    folders are replaced atomically and read as data (Lightning's are written in place and
+    unpickled with ``weights_only=False``)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from mmssl.checkpoints.sharded import FSDP2Strategy
+
+    strategy, configured = trainer_init.get("strategy"), trainer_config.get("strategy")
+    if type(strategy) is not ModelParallelStrategy or "strategy" in kwargs:
+        return
+    init_args = dict(configured.get("init_args") or {}) if hasattr(configured, "get") else {}
+    kwargs["strategy"] = FSDP2Strategy(**{k: v for k, v in init_args.items() if v is not None})
 
 
 def _configured_checkpoint_io(trainer_init: Any, trainer_config: Any) -> bool:
@@ -186,7 +203,7 @@ def resume_checkpoint(root: str, version: Optional[int], ckpt_path: Optional[str
         The checkpoint's path, ``None`` when there is none (Lightning then starts at step 0).
     """
     if ckpt_path not in ("last", "hpc"):
-        return ckpt_path if ckpt_path and os.path.isfile(ckpt_path) else None
+        return ckpt_path if ckpt_path and os.path.exists(ckpt_path) else None
     folder = os.path.join(root, f"version_{version}")
     found = run_checkpoints(folder, hpc_only=ckpt_path == "hpc") if version is not None else []
     if ckpt_path == "last":

@@ -86,7 +86,10 @@ class NonFiniteGuard(pl.Callback):
         # One fused norm over all gradients (~2 ms for 8M parameters on CPU, against ~17 ms for a
         # per-tensor isfinite): a NaN or inf anywhere makes the total norm non-finite.
         if grads:
-            bad = (~torch.isfinite(torch.nn.utils.get_total_norm(grads))).float()
+            norm = torch.nn.utils.get_total_norm(grads)
+            # FSDP2's gradients are DTensor shards: their norm is a partial sum until reduced.
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            bad = (~torch.isfinite(norm)).float()
         else:  # a rank without gradients still joins the reduction
             bad = torch.zeros((), device=pl_module.device)
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():

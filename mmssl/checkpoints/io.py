@@ -57,7 +57,7 @@ def _remove_stale_temps(path: str) -> None:
             pass
 
 
-def _fsync_folder(folder: str) -> None:
+def fsync_folder(folder: str) -> None:
     """Make a rename in ``folder`` durable; a no-op where folders cannot be opened or synced."""
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -102,7 +102,7 @@ def atomic_torch_save(obj: Any, path: str) -> None:
             raise OSError(err.errno, f"could not write checkpoint {path} ({os.strerror(err.errno)}); "
                           "the previous file there, if any, is unchanged") from err
         raise
-    _fsync_folder(folder)
+    fsync_folder(folder)
     _remove_stale_temps(path)
 
 

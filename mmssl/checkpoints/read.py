@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import pickletools
+import warnings
 import zipfile
 from typing import Any
 
@@ -69,6 +70,174 @@ def _offending_globals(path: str) -> list[str]:
     return sorted({name for name in found if name not in allowed})
 
 
+# Sharded checkpoints: a torch.distributed.checkpoint (DCP) folder, as FSDP2 runs write them
+# (mmssl.checkpoints.sharded). DCP's own reader unpickles ``.metadata`` with a plain
+# ``pickle.load`` and the non-tensor entries of the shards (optimizer hyper-parameters) with
+# ``torch.load(weights_only=False)``: a crafted folder would run code. Here ``.metadata`` is read
+# by an unpickler that rebuilds only DCP's metadata types, and the shards' entries with
+# ``weights_only=True``; ``meta.pt`` (Lightning's non-tensor state) through read_checkpoint.
+DCP_METADATA, LIGHTNING_META = ".metadata", "meta.pt"
+_DCP_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP's metadata dataclasses, torch sizes and dtypes; refuses any other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_GLOBALS.get(module, ()) or (
+                module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))):
+            return super().find_class(module, name)
+        raise UnsafeCheckpointError(f"{module}.{name}")
+
+
+def is_dcp_folder(path: str) -> bool:
+    """Whether ``path`` is a folder that claims to be a DCP checkpoint (it has ``.metadata``)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_METADATA))
+
+
+def read_dcp_metadata(path: str) -> Any:
+    """The ``torch.distributed.checkpoint.metadata.Metadata`` of the DCP folder ``path``,
+    checked: every shard file it names exists and holds the bytes it points to.
+
+    Raises:
+        FileNotFoundError: no ``.metadata`` (a folder DCP never finished), or a missing shard.
+        UnsafeCheckpointError: ``.metadata`` pickles anything but DCP's metadata types.
+        ValueError: ``.metadata`` is unreadable, or a shard is shorter than its entries.
+    """
+    file = os.path.join(path, DCP_METADATA)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{path}: no {DCP_METADATA}: not a complete sharded checkpoint "
+                                "(torch.distributed.checkpoint writes it last)")
+    try:
+        with open(file, "rb") as f:
+            metadata = _DCPMetadataUnpickler(f).load()
+    except UnsafeCheckpointError as err:
+        raise UnsafeCheckpointError(f"{file}: refused to load: it pickles {err}, which a DCP metadata file "
+                                    "never holds (nothing of it was run)") from None
+    except Exception as err:
+        raise ValueError(f"{file}: unreadable DCP metadata ({type(err).__name__}: {err})") from None
+    ends: dict[str, int] = {}
+    for info in getattr(metadata, "storage_data", {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            raise FileNotFoundError(f"{path}: shard {name} named in {DCP_METADATA} is missing")
+        if os.path.getsize(shard) < end:
+            raise ValueError(f"{shard}: {os.path.getsize(shard)} bytes, but {DCP_METADATA} places entries up to "
+                             f"byte {end}: a truncated shard, or one from another checkpoint")
+    return metadata
+
+
+def _safe_dcp_classes() -> tuple[type, type]:
+    """DCP's file reader and load planner, with :class:`_DCPMetadataUnpickler` and
+    ``weights_only=True`` in place of their unrestricted unpickling."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_dcp_metadata(str(self.path))
+            metadata.storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                self.original_state_dict_set(read_item, obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+        def original_state_dict_set(self, read_item: Any, obj: Any) -> None:
+            _set_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+
+    return SafeReader, SafePlanner
+
+
+def _set_path(tree: Any, path: tuple, value: Any) -> None:
+    """``tree[path[0]][path[1]]... = value``, creating dicts (lists for int keys) on the way."""
+    for key, nxt in zip(path[:-1], path[1:]):
+        if isinstance(tree, list):
+            while len(tree) <= key:
+                tree.append(None)
+            if tree[key] is None:
+                tree[key] = [] if isinstance(nxt, int) else {}
+            tree = tree[key]
+        else:
+            tree = tree.setdefault(key, [] if isinstance(nxt, int) else {})
+    if isinstance(tree, list):
+        while len(tree) <= path[-1]:
+            tree.append(None)
+    tree[path[-1]] = value
+
+
+def load_dcp(path: str, state: dict[str, Any], process_group: Any = None) -> None:
+    """``torch.distributed.checkpoint.load(state, path)`` in place, read as plain data
+    (:func:`read_dcp_metadata`'s checks first). Under a process group every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    reader, planner = _safe_dcp_classes()
+    dcp.load(state, storage_reader=reader(path), planner=planner(), process_group=process_group)
+
+
+def read_dcp_folder(path: str) -> dict[str, Any]:
+    """A DCP checkpoint folder as one Lightning checkpoint dict, in this process (no process group).
+
+    Returns:
+        ``meta.pt``'s entries (``global_step``, ``hyper_parameters``, ...), ``state_dict`` with
+        whole tensors, and ``optimizer_states`` as ``torch.optim.Optimizer.state_dict()`` lays
+        them out (parameters numbered in the order of the groups' names), as a DDP run saves.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_dcp_metadata(path)
+    meta_file = os.path.join(path, LIGHTNING_META)
+    checkpoint = read_checkpoint(meta_file) if os.path.isfile(meta_file) else {}
+    flat: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            flat[key] = torch.empty(item.size, dtype=item.properties.dtype)
+        else:
+            flat[key] = "<bytes_io>"  # a placeholder DCP fills, as its own empty-state planner does
+    reader, planner_class = _safe_dcp_classes()
+    planner = planner_class(flatten_state_dict=False)
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(flat, storage_reader=reader(path), planner=planner, no_dist=True)
+    flat = {**flat, **planner.state_dict}  # the planner's copy holds the non-tensor entries
+    nested: dict[str, Any] = {}
+    mappings = metadata.planner_data or {key: (key,) for key in flat}
+    for key, value in flat.items():
+        _set_path(nested, tuple(mappings.get(key, (key,))), value)
+    checkpoint["state_dict"] = nested.get("state_dict", {})
+    optimizers = sorted((k for k in nested if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    checkpoint["optimizer_states"] = [_numbered_optimizer_state(nested[k]) for k in optimizers]
+    return checkpoint
+
+
+def _numbered_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
+    """DCP's optimizer state (keyed by parameter name) in ``Optimizer.state_dict()``'s layout."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in state.get("param_groups", []):
+        names = group["params"]
+        index.update({name: len(index) + i for i, name in enumerate(names)})
+        groups.append({**group, "params": [index[name] for name in names]})
+    return {"state": {index[name]: value for name, value in state.get("state", {}).items() if name in index},
+            "param_groups": groups}
+
+
 def read_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
     """Read a checkpoint file as plain data: tensors, dicts, lists, numbers, strings.
 
@@ -85,7 +254,11 @@ def read_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
         FileNotFoundError: no file at ``path``.
         UnsafeCheckpointError: the file pickles a global outside torch's weights-only set and
             :data:`SAFE_GLOBALS` (nothing in it has been executed).
+
+    A sharded checkpoint folder (DCP, an FSDP2 run's) is read whole by :func:`read_dcp_folder`.
     """
+    if is_dcp_folder(path):
+        return read_dcp_folder(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint file at {path!r}")
     if path.endswith(".safetensors"):

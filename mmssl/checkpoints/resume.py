@@ -28,7 +28,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from mmssl.checkpoints.read import read_checkpoint
+from mmssl.checkpoints.read import LIGHTNING_META, read_checkpoint, read_dcp_metadata
 
 JOB_FILE = "slurm_job.txt"
 RUN_ENV = "MMSSL_RUN"  # rank 0's plan, for the ranks Lightning starts as its children
@@ -69,8 +69,12 @@ def inspect_checkpoint(path: str) -> tuple[Optional[int], Optional[str]]:
 
     Cheap: a zip checkpoint (``torch.save``'s format) must end in its central directory, which
     an interrupted write never reaches; its pickle is then read with the tensors memory-mapped
-    (:func:`mmssl.checkpoints.read_checkpoint`), for ``global_step``.
+    (:func:`mmssl.checkpoints.read_checkpoint`), for ``global_step``. A sharded checkpoint
+    folder (an FSDP2 run's) reads completely when its DCP metadata does, every shard it names is
+    there at its full length, and its ``meta.pt`` holds ``global_step``.
     """
+    if os.path.isdir(path):
+        return _inspect_folder(path)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as file:
@@ -88,6 +92,17 @@ def inspect_checkpoint(path: str) -> tuple[Optional[int], Optional[str]]:
     step = state.get("global_step")
     if not isinstance(step, int):
         return None, "no global_step: not a Lightning training checkpoint"
+    return step, None
+
+
+def _inspect_folder(path: str) -> tuple[Optional[int], Optional[str]]:
+    try:
+        read_dcp_metadata(path)
+        step = read_checkpoint(os.path.join(path, LIGHTNING_META), mmap=True).get("global_step")
+    except Exception as err:  # any failure to read is a reason to pass the folder over
+        return None, f"an incomplete sharded checkpoint ({type(err).__name__}: {err})"
+    if not isinstance(step, int):
+        return None, f"no global_step in its {LIGHTNING_META}: not a Lightning training checkpoint"
     return step, None
 
 
@@ -133,7 +148,10 @@ def run_checkpoints(folder: str, hpc_only: bool = False) -> list[str]:
     found = glob.glob(os.path.join(glob.escape(folder), "hpc_ckpt_*.ckpt"))
     if not hpc_only:
         found += glob.glob(os.path.join(glob.escape(folder), "checkpoints", "*.ckpt"))
-    return [p for p in found if os.path.isfile(p)]
+        # A sharded save killed between its two renames leaves the previous folder set aside
+        # under a hidden name (mmssl.checkpoints.sharded): still a complete checkpoint.
+        found += glob.glob(os.path.join(glob.escape(folder), "checkpoints", ".*.ckpt.*.old"))
+    return [p for p in found if os.path.isfile(p) or os.path.isdir(p)]
 
 
 def slurm_job(env: Mapping[str, str]) -> Optional[str]:
@@ -239,7 +257,7 @@ def plan_run(root: str, ckpt_path: Optional[str], checkpoint_dirs: Sequence[str]
     job, notes = slurm_job(env), []
     plan: Optional[RunPlan] = None
     if ckpt_path not in (None, "last", "hpc"):
-        step = check_checkpoint(ckpt_path) if os.path.isfile(ckpt_path) else None
+        step = check_checkpoint(ckpt_path) if os.path.exists(ckpt_path) else None
         plan = RunPlan("", -1, ckpt_path, step)
     elif fit and job and (_env_int(env, "SLURM_RESTART_COUNT") or 0) > 0:
         # A requeue: the folder this job reserved, wherever it is among the root's runs.

@@ -236,7 +236,8 @@ class ImageTextDataModule(pl.LightningDataModule):
                         raise cls(f"data.{key}={data!r}: {err}") from err
                     if train:
                         self._report(stream)
-                    elif world > 1 and is_sharded(self.trainer.strategy):
+                    elif world > 1 and is_sharded(self.trainer.strategy) and not getattr(
+                            self.trainer.strategy, "gather_for_evaluation", False):
                         check_even_validation(stream.spec, f"data.{key}={data!r}")
 
     def _report(self, stream: ShardStream) -> None:

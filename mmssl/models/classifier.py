@@ -38,6 +38,7 @@ from mmssl.log_cadence import logging_step
 from mmssl.models.memory import compile_blocks, compile_options
 from mmssl.models.lora import CLASSIFIER_TRAINABLE, TIMM_TOWERS, LoraCheckpoint, enable_lora
 from mmssl.models.vit import load_encoder
+from mmssl.sharding import shard_model
 from mmssl.models.zero_shot_head import init_zero_shot_head
 from mmssl.optim import check_warmup, warmup_cosine
 from mmssl.upstream import attached_trainer
@@ -226,6 +227,10 @@ class ImageClassifier(LoraCheckpoint, LightningModule):
         return self.model(images)
 
     # ---- training ------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        # FSDP2 (ModelParallelStrategy): each transformer block a unit, then the root (mmssl.sharding).
+        shard_model(self, attached_trainer(self))
 
     def on_fit_start(self) -> None:
         # Each rank draws its own drop-path masks and mixes (MAE seeds args.seed + rank); timm's

@@ -18,13 +18,12 @@ import open_clip
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric, MetricCollection
 
 from mmssl.data.decode import trim_text_padding
-from mmssl.distributed import gather_with_grad, rank, seed_per_rank
+from mmssl.distributed import gather_with_grad, is_sharded, rank, seed_per_rank
 from mmssl.log_cadence import logging_step
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.distill import build_distiller
@@ -39,6 +38,7 @@ from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.m
 from mmssl.models.teacher import tokenizer_signature
 from mmssl.optim import Phase, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 from mmssl.retrieval import RECALL_AT, distributed_retrieval_hits
+from mmssl.sharding import shard_model
 from mmssl.upstream import attached_trainer, open_clip_encode_text_prefix
 
 # Initial (logit_scale, logit_bias): CLIP sec. 2.5 (temperature 0.07, no bias); SigLIP sec. 3.2
@@ -386,11 +386,13 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
     # Training ----------------------------------------------------------------------------------
 
     def configure_model(self) -> None:
-        # FSDP 1 refuses 0-d parameters ("FSDP doesn't support scalar parameters"), and open_clip's
-        # logit_scale / logit_bias are 0-d: Lightning calls this hook before it wraps the model.
+        # FSDP 1 and FSDP2 shard along dim 0 and refuse 0-d parameters ("FSDP doesn't support
+        # scalar parameters"), and open_clip's logit_scale / logit_bias are 0-d: Lightning calls
+        # this hook before it wraps the model (FSDP 1) or for the model to shard itself (FSDP2).
         trainer = attached_trainer(self)
-        if trainer is not None and isinstance(trainer.strategy, FSDPStrategy):
+        if trainer is not None and is_sharded(trainer.strategy):
             self.scalars_as_vectors()
+        shard_model(self, trainer)  # FSDP2: each tower block a unit, then the root (mmssl.sharding)
 
     def scalars_as_vectors(self) -> None:
         """Give ``logit_scale`` / ``logit_bias`` shape (1,) (same values), as FSDP 1 needs; the

@@ -25,6 +25,7 @@ from mmssl.losses import mae_loss
 from mmssl.models.memory import compile_blocks, compile_options, run_blocks
 from mmssl.models.masking import Masking, patchify, sample_noise, unpatchify
 from mmssl.models.vit import LayerNorm, MaskedViT, init_vit_weights, load_encoder, sincos_pos_embed_2d
+from mmssl.sharding import shard_model
 from mmssl.optim import NDIM_LT_2, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 from mmssl.upstream import attached_trainer
 
@@ -335,6 +336,10 @@ class MAE(LightningModule):
         return recon, mask_img
 
     # ---- training ------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        # FSDP2 (ModelParallelStrategy): each transformer block a unit, then the root (mmssl.sharding).
+        shard_model(self, attached_trainer(self))
 
     def on_fit_start(self) -> None:
         seed_per_rank(self.global_rank, self.trainer.world_size)  # each rank draws its own masks (MAE main_pretrain.py)

@@ -1,0 +1,216 @@
+"""FSDP2 runs: Lightning's ``ModelParallelStrategy`` with checkpoint folders nothing can lose.
+
+Lightning's strategy writes a sharded checkpoint (a torch.distributed.checkpoint folder: one
+``__R_0.distcp`` per rank, ``.metadata``, Lightning's ``meta.pt``) **into** the target folder, over
+the previous checkpoint's files: a kill or a full disk mid-write leaves a folder that is neither.
+It loads ``meta.pt`` with ``weights_only=False`` and DCP unpickles ``.metadata`` freely. Here:
+
+- a checkpoint folder is written beside the target under a hidden name, completed (DCP writes
+  ``.metadata`` once every rank's shard is written; ``meta.pt`` follows, fsynced) and only then
+  renamed over the target, so ``last.ckpt`` is at every moment the previous complete folder or
+  the new one. The previous folder is set aside under a hidden ``.old`` name for the instant
+  between the two renames (:func:`mmssl.checkpoints.resume.run_checkpoints` lists it, so a kill
+  there still resumes) and removed after;
+- a folder is read through :func:`mmssl.checkpoints.read.load_dcp` (metadata types only,
+  ``weights_only=True`` for every entry, every shard checked) and ``meta.pt`` through the one
+  reader; a file checkpoint (a DDP run's) through the one reader too, then Lightning's own
+  loading (which broadcasts and shards it): resume across strategies either way.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+import shutil
+from pathlib import Path
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from mmssl.checkpoints.io import fsync_folder, atomic_torch_save
+from mmssl.checkpoints.read import LIGHTNING_META, is_dcp_folder, load_dcp, read_checkpoint, read_dcp_metadata
+from mmssl.sharding import ShardingPolicy, check_sharded
+
+PARTIAL, OLD = ".partial", ".old"
+
+
+def hidden_name(path: Path, suffix: str) -> Path:
+    """``.{name}.{pid}.{random}{suffix}`` beside ``path``: outside every ``*.ckpt`` listing."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}")
+
+
+def set_aside_folders(path: Path) -> list[Path]:
+    """Complete folders a save set aside beside ``path`` and a kill left there (newest first)."""
+    found = [Path(p) for p in glob.glob(os.path.join(glob.escape(str(path.parent)), f".{glob.escape(path.name)}.*{OLD}"))]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2, data-parallel) with mmssl's sharding keys and safe checkpoints.
+
+    Args:
+        data_parallel_size: ranks the parameters are sharded across (``auto``: all of them).
+        save_distributed_checkpoint: ``True``: a DCP folder per checkpoint, each rank writing its
+            shard (no rank ever holds the whole state); ``False``: one full-state file gathered on rank 0.
+        param_dtype, reduce_dtype, reshard_after_forward: :class:`mmssl.sharding.ShardingPolicy`.
+        gather_for_evaluation: gather the whole model once per validation / test / predict run, so
+            that ranks with uneven held-out shares run their forwards without collectives;
+            ``False``: evaluate sharded, and refuse uneven validation shares at start-up.
+        process_group_backend, timeout: as for Lightning's strategy (``gloo`` on CPUs).
+    """
+
+    def __init__(self, data_parallel_size: Union[Literal["auto"], int] = "auto",
+                 save_distributed_checkpoint: bool = True, param_dtype: Optional[str] = None,
+                 reduce_dtype: Optional[str] = None, reshard_after_forward: bool = True,
+                 process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
+                 tensor_parallel_size: Union[Literal["auto"], int] = 1, gather_for_evaluation: bool = True) -> None:
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.sharded_checkpoints = save_distributed_checkpoint
+        self.policy = ShardingPolicy(param_dtype, reduce_dtype, reshard_after_forward)
+        self.gather_for_evaluation = gather_for_evaluation
+
+    # Evaluation: under FSDP2 every forward all-gathers each block, a collective, and held-out
+    # shards are dealt per rank, so ranks run different numbers of forwards (the demo's one
+    # validation shard gives rank 1 none), which would hang. Each evaluation therefore starts with
+    # one all-gather of the whole model on every rank and runs its forwards without collectives
+    # (FSDP2 skips the all-gather of a gathered unit); the shards are freed when it ends. The cost:
+    # the whole model's parameters on each rank while evaluating (not its gradients or optimizer
+    # state); ``gather_for_evaluation: false`` keeps them sharded and asks for even shares.
+
+    def _gather(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if not self.gather_for_evaluation or self.model is None:
+            return
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_reshard_after_forward(False, recurse=False)
+                module.unshard()
+
+    def _reshard(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if not self.gather_for_evaluation or self.model is None:
+            return
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+                if module is not self.model:  # the root keeps its parameters between forward and backward
+                    module.set_reshard_after_forward(self.policy.reshard_after_forward, recurse=False)
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._gather()
+
+    def on_validation_end(self) -> None:
+        self._reshard()
+        super().on_validation_end()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._gather()
+
+    def on_test_end(self) -> None:
+        self._reshard()
+        super().on_test_end()
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._gather()
+
+    def on_predict_end(self) -> None:
+        self._reshard()
+        super().on_predict_end()
+
+    def setup(self, trainer: Any) -> None:
+        check_sharded(self.lightning_module, trainer)  # configure_model has run: refuse a silent replica
+        super().setup(trainer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write ``checkpoint`` to the folder ``filepath`` (or the file, without sharded checkpoints),
+        replacing what is there only once the new one is complete. Every rank calls it."""
+        if not self.sharded_checkpoints:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(self.broadcast(str(filepath))).absolute()
+        temp = Path(self.broadcast(str(hidden_name(path, PARTIAL))))
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        try:
+            if self.global_rank == 0:
+                temp.mkdir(parents=True)
+            self.barrier()
+            dcp.save(state, checkpoint_id=temp)  # .metadata written last, by the coordinator
+            if self.global_rank == 0:
+                atomic_torch_save(checkpoint, str(temp / LIGHTNING_META))
+                for name in os.listdir(temp):  # the shards are on disk before the folder is named
+                    with open(temp / name, "rb+") as f:
+                        os.fsync(f.fileno())
+                self._replace(temp, path)
+        except BaseException:
+            if self.global_rank == 0:
+                shutil.rmtree(temp, ignore_errors=True)
+            raise
+        self.barrier()
+
+    @staticmethod
+    def _replace(temp: Path, path: Path) -> None:
+        """Rename the complete folder ``temp`` to ``path``, the previous ``path`` set aside first."""
+        old = None
+        if path.is_dir():
+            old = hidden_name(path, OLD)
+            os.rename(path, old)
+        elif path.exists():
+            path.unlink()
+        os.rename(temp, path)
+        fsync_folder(str(path.parent))
+        for stale in ([old] if old else []) + set_aside_folders(path):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning's top-k clean-up: a folder checkpoint is removed whole (rank 0)."""
+        if self.is_global_zero and os.path.isdir(filepath):
+            shutil.rmtree(filepath, ignore_errors=True)
+        else:
+            super().remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load weights and optimizer state into the sharded model; return the rest of the
+        checkpoint (Lightning's loops, callbacks, schedulers), all read as plain data."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
+
+        path = str(self.broadcast(str(checkpoint_path)))
+        if not is_dcp_folder(path):
+            read_checkpoint(path)  # refuses a file pickling code before Lightning's torch.load sees it
+            return super().load_checkpoint(path, weights_only=True)
+        read_dcp_metadata(path)  # a named error for a torn or crafted folder, before any state moves
+        meta = read_checkpoint(os.path.join(path, LIGHTNING_META))
+        assert self.model is not None and self.lightning_module is not None
+        model_state = {"state_dict": get_model_state_dict(self.model)}
+        load_dcp(path, model_state)
+        self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{i}"
+            optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+            load_dcp(path, optim_state)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
+                                     options=StateDictOptions(cpu_offload=True))
+        return meta
+
+
+def is_sharded_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a checkpoint folder (an FSDP2 run's) rather than a file."""
+    return is_dcp_folder(path)
+
+
+__all__ = ["FSDP2Strategy", "is_sharded_checkpoint", "set_aside_folders"]
