@@ -34,7 +34,7 @@ from mmssl.data.demo import demo_data
 from mmssl.data.options import check_data_options
 from mmssl.data.pipeline import META_KEYS, ShardStream, StreamSpec, plan_stream
 from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources, shard_sizes
-from mmssl.data.state import EpochLoader, StreamPosition, run_skipped
+from mmssl.data.state import EpochLoader, StreamPosition, run_seed, run_skipped
 from mmssl.data.teacher_embeddings import TeacherEmbeddings
 from mmssl.distributed import is_sharded
 from mmssl.data.transforms import (OPENAI_MEAN, OPENAI_STD, BatchNormalize, eval_transform, timm_eval_transform,
@@ -106,7 +106,9 @@ class ImageTextDataModule(pl.LightningDataModule):
             and centre-cropped (timm's eval transform; MAE fine-tuning: 0.875); unset: resized
             to ``image_size`` and centre-cropped.
         shuffle_buffer: raw samples in the (pre-decode) shuffle buffer of each worker.
-        seed: seed of shard order and shuffling; streams derive from (seed, epoch, rank, worker).
+        seed: seed of shard order, shuffling and crops; streams derive from (seed, epoch, rank, worker).
+            Unset: the run's (``seed_everything``, :func:`mmssl.data.state.run_seed`), read at
+            setup, and a resumed run keeps the one its checkpoint saved; 0 before setup.
         max_bad_fraction: stop when a worker finds more than this fraction of its samples bad.
         reduced_decode: decode large training JPEGs at reduced size (Pillow ``draft``) when the
             model input is much smaller. Training only: validation decodes in full, as every
@@ -158,7 +160,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         train_augment: Optional[dict[str, Any]] = None,
         eval_crop_pct: Optional[float] = None,
         shuffle_buffer: int = 1000,
-        seed: int = 0,
+        seed: Optional[int] = None,
         max_bad_fraction: float = 0.1,
         reduced_decode: bool = True,
         demo_dir: Optional[str] = None,
@@ -198,7 +200,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         self.image_key, self.text_key, self.label_key = image_key, text_key, label_key
         self.crop_scale, self.hflip = crop_scale, hflip
         self.train_augment, self.eval_crop_pct = train_augment, eval_crop_pct
-        self.shuffle_buffer, self.seed = shuffle_buffer, seed
+        self.shuffle_buffer, self.seed, self._seed_follows_run = shuffle_buffer, seed or 0, seed is None
         self.max_bad_fraction, self.reduced_decode, self.demo_dir = max_bad_fraction, reduced_decode, demo_dir
         self.eval_data: Optional[str] = None  # labelled held-out folder, set in demo mode
         self.position = StreamPosition()
@@ -214,6 +216,8 @@ class ImageTextDataModule(pl.LightningDataModule):
             demo_data(self.demo_dir)  # generated once per node, before setup on all ranks
 
     def setup(self, stage: str) -> None:
+        if self._seed_follows_run:  # before a checkpoint's seed is loaded (Lightning restores after setup)
+            self.seed = run_seed(self.trainer)
         if self.train_data is None:
             demo = demo_data(self.demo_dir)
             self.train_data = demo.train
@@ -395,6 +399,8 @@ class ImageTextDataModule(pl.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the position saved by :meth:`state_dict`; applied when the training loader is built."""
+        if self._seed_follows_run:  # the stream the checkpoint was taken from continues
+            self.seed = int(state_dict.get("seed", self.seed))
         if state_dict.get("seed", self.seed) != self.seed:
             rank_zero_warn(f"the data position was saved with data.seed={state_dict['seed']}, this run has "
                            f"data.seed={self.seed}: the data stream restarts epoch "

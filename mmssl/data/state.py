@@ -14,6 +14,7 @@ and reported.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -22,6 +23,20 @@ from torch.utils.data import DataLoader
 
 from mmssl.data.pipeline import EpochRun, ShardStream, StreamSpec
 from mmssl.data.plan import EpochPlan, Generation, Topology
+
+
+def run_seed(trainer: Any = None) -> int:
+    """The run's seed: ``seed_everything``'s (Lightning keeps it in ``PL_GLOBAL_SEED``; 0 without
+    one), rank 0's on every rank. Processes started apart (torchrun, SLURM) each draw their own for
+    ``seed_everything: true``, and ranks must plan one stream, so rank 0's is broadcast.
+
+    Args:
+        trainer: the running trainer (``None``, or one process: no broadcast).
+    """
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    if trainer is not None and trainer.world_size > 1:
+        seed = int(trainer.strategy.broadcast(seed, src=0))
+    return seed
 
 
 def run_skipped(state: dict[str, Any], rank: int) -> int:
