@@ -98,6 +98,11 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f"{module}.{name}")
 
 
+def checkpoint_exists(path: str) -> bool:
+    """Whether ``path`` is a checkpoint file or a sharded checkpoint folder (an FSDP2 run's)."""
+    return os.path.isfile(path) or is_dcp_folder(path)
+
+
 def is_dcp_folder(path: str) -> bool:
     """Whether ``path`` is a folder that claims to be a DCP checkpoint (it has ``.metadata``)."""
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, DCP_METADATA))

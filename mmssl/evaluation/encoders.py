@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.checkpoints import read_state_dict
 from mmssl.checkpoints.load import load_lightning, model_class_names
 from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD
@@ -143,7 +144,7 @@ def load_model(
     Returns:
         The module with the probe protocol, in eval mode, on the CPU.
     """
-    if not os.path.isfile(path):
+    if not checkpoint_exists(path):
         raise FileNotFoundError(f"--ckpt: no file at {path!r}")
     if model:
         if ema:

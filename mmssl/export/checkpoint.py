@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.checkpoints.layouts import ModelKind, clip_to_open_clip, detect_kind, kinds_for
 from mmssl.checkpoints.load import build_module, checkpoint_kind, read_lightning
 from mmssl.export.merge import merged_checkpoint
@@ -121,7 +122,7 @@ def export_checkpoint(ckpt: str, format: str, output: str, overwrite: bool = Fal
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; choose from {FORMATS}")
-    if not os.path.isfile(ckpt):
+    if not checkpoint_exists(ckpt):
         raise FileNotFoundError(f"--ckpt: no checkpoint file at {ckpt!r}")
     folder = format in FOLDER_EXPORTERS and (
         format not in EXPORTERS or os.path.isdir(output) or not output.endswith(FILE_SUFFIXES))

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric, MetricCollection
 
+from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.data.decode import trim_text_padding
 from mmssl.distributed import gather_with_grad, is_sharded, rank, seed_per_rank
 from mmssl.log_cadence import logging_step
@@ -53,7 +54,9 @@ def _scalars_to_open_clip_shape(module: torch.nn.Module, state_dict: dict, prefi
     """``state_dict`` post-hook: ``logit_scale`` / ``logit_bias`` saved 0-d, open_clip's shape."""
     for key in ("logit_scale", "logit_bias"):
         name = f"{prefix}model.{key}"
-        if name in state_dict and state_dict[name].ndim == 1:
+        # Not an FSDP2 shard (a DTensor): a sharded checkpoint keeps it (1,), which every
+        # loader takes (_scalars_to_own_shape; mmssl.checkpoints.read.read_dcp_folder).
+        if name in state_dict and state_dict[name].ndim == 1 and not hasattr(state_dict[name], "full_tensor"):
             state_dict[name] = state_dict[name].reshape(())
 
 
@@ -189,7 +192,7 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         if loss not in LOSS_INIT:
             raise ValueError(f"model.loss: {loss!r} is not one of {sorted(LOSS_INIT)}")
-        if pretrained is not None and not os.path.isfile(pretrained):
+        if pretrained is not None and not checkpoint_exists(pretrained):
             raise FileNotFoundError(f"model.pretrained: no checkpoint file at {pretrained!r}")
         check_warmup("model.warmup_steps", warmup_steps)
         if unmasked_tune_steps < 0 or unmasked_tune_warmup_steps < 0 or unmasked_tune_lr_ratio < 0:

@@ -17,7 +17,7 @@ from timm.models.vision_transformer import Block
 from torch import nn
 from torchmetrics import MeanMetric
 
-from mmssl.checkpoints.read import read_state_dict
+from mmssl.checkpoints.read import checkpoint_exists, read_state_dict
 from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from mmssl.distributed import seed_per_rank
 from mmssl.log_cadence import logging_step
@@ -237,7 +237,7 @@ class MAE(LightningModule):
         if unmatched:
             raise ValueError(f"model.no_weight_decay: {unmatched} match no parameter of the MAE")
         if init_encoder:
-            if not os.path.isfile(init_encoder):
+            if not checkpoint_exists(init_encoder):
                 raise FileNotFoundError(f"model.init_encoder: no checkpoint file at {init_encoder!r}")
             state = read_state_dict(init_encoder)  # weights only, read once for both halves
             load_encoder(self.encoder, init_encoder, state=state)

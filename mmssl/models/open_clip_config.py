@@ -11,9 +11,9 @@ from typing import Any, Callable, Optional
 import open_clip
 import torch
 
+from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.checkpoints import read_checkpoint
 from mmssl.optim import NDIM_LT_2
-
 
 RANDOM_INIT_NOTICE = "No pretrained weights loaded for model"
 
@@ -59,7 +59,7 @@ def create_model(name: str, pretrained: Optional[str] = None, **kwargs: Any) -> 
 def _mmssl_clip_weights(path: str) -> Optional[dict[str, torch.Tensor]]:
     """The open_clip state dict inside an mmssl CLIP Lightning checkpoint (``model.*`` keys), read
     by the safe reader, or ``None`` for any other file (an open_clip state dict: open_clip reads it)."""
-    if path.endswith(".safetensors") or not os.path.isfile(path):
+    if path.endswith(".safetensors") or not checkpoint_exists(path):
         return None
     state = read_checkpoint(path, mmap=True)
     weights = state.get("state_dict")

@@ -21,9 +21,9 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from mmssl.checkpoints.layouts import StateDict, fit_vit_state, vit_weights
-from mmssl.checkpoints.read import read_state_dict
-from mmssl.models.memory import run_blocks
+from mmssl.checkpoints.read import checkpoint_exists, read_state_dict
 from mmssl.models.masking import Masking, gather_tokens, random_masking
+from mmssl.models.memory import run_blocks
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ def load_encoder(
         ``(missing, ignored)``: the model's keys left as built and the file's keys not loaded.
     """
     if state is None:
-        if not os.path.isfile(path):
+        if not checkpoint_exists(path):
             raise FileNotFoundError(f"model.init_encoder: no checkpoint file at {path!r}")
         state = read_state_dict(path)  # weights only; unwraps "state_dict" / "model", strips "module."
     grid = tuple(model.patch_embed.grid_size)

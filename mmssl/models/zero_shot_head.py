@@ -26,6 +26,7 @@ import torch
 from open_clip.zero_shot_classifier import build_zero_shot_classifier
 from torch import Tensor, nn
 
+from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.checkpoints import read_checkpoint
 from mmssl.checkpoints.layouts import clip_to_open_clip
 from mmssl.data.labeled import DEFAULT_TEMPLATES, TEMPLATES_FILE, read_classnames, read_templates
@@ -65,7 +66,7 @@ def clip_zero_shot_head(path: str, classnames: str, templates: Optional[str] = N
         FileNotFoundError: no checkpoint or class-names file.
         ValueError: not a CLIP with a timm tower, a non-linear projection, or another pooling.
     """
-    if not os.path.isfile(path):
+    if not checkpoint_exists(path):
         raise FileNotFoundError(f"model.zero_shot_head: no checkpoint file at {path!r}")
     checkpoint = read_checkpoint(path)
     state, hparams = checkpoint.get("state_dict", checkpoint), checkpoint.get("hyper_parameters") or {}
