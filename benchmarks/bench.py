@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
 import open_clip
 import torch
 import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from benchmarks.lightly_peer import run_lightly
 from benchmarks.meter import PeakProbe, StepTimer, matmul_peak_flops, model_flop_utilisation, peak_memory
@@ -38,7 +38,9 @@ def _model_name(config: str, overrides: list[str]) -> str:
         with open(config) as f:
             name = (yaml.safe_load(f).get("model") or {}).get("init_args", {}).get("model_name")
     if not name:
-        raise ValueError(f"{config}: --patch-dropout / --compare-open-clip need a CLIP config with model.init_args.model_name")
+        raise ValueError(
+            f"{config}: --patch-dropout / --compare-open-clip need a CLIP config with model.init_args.model_name"
+        )
     return name
 
 
@@ -260,7 +262,9 @@ def benchmark(
             mine = run_mmssl(config, overrides, warmup, steps, os.path.join(root, f"mmssl{i}"))
             pair = {"mmssl": mine}
             if compare_open_clip:
-                pair["open_clip_train"] = run_open_clip(mine, model_name, warmup, steps, os.path.join(root, f"peer{i}"), flip)
+                pair["open_clip_train"] = run_open_clip(
+                    mine, model_name, warmup, steps, os.path.join(root, f"peer{i}"), flip
+                )
             elif compare_lightly:
                 cli = make_cli(config, overrides, warmup + steps, os.path.join(root, f"peer{i}"))
                 pair["lightly"] = run_lightly(cli, warmup, steps)
@@ -274,7 +278,9 @@ def benchmark(
             runs.append(pair)
         result = _median_of(runs)
         if "mmssl_mask_ratio" in result:
-            result["flop_ratio"] = result["mmssl_mask_ratio"]["flops_per_step"] / max(1, result["mmssl"]["flops_per_step"])
+            result["flop_ratio"] = result["mmssl_mask_ratio"]["flops_per_step"] / max(
+                1, result["mmssl"]["flops_per_step"]
+            )
         return result
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -342,7 +348,9 @@ def format_report(result: dict[str, Any]) -> str:
     if peer is not None:
         p = result[peer]
         label = f"mmssl mask {p['mask_ratio']}" if peer == "mmssl_mask_ratio" else peer
-        lines.append(f"{label:<16}{p['samples_per_s']:>11.1f}{p['step_time_s'] * 1e3:>11.1f}{p['data_wait_fraction']:>10.1%}")
+        lines.append(
+            f"{label:<16}{p['samples_per_s']:>11.1f}{p['step_time_s'] * 1e3:>11.1f}{p['data_wait_fraction']:>10.1%}"
+        )
         pairs = ", ".join(f"{r:.2f}" for r in result.get("pair_ratios", []))
         pairs = f" (median of pairs: {pairs})" if len(result.get("pair_ratios", [])) > 1 else ""
         if peer == "mmssl_mask_ratio":

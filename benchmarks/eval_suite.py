@@ -89,13 +89,55 @@ def cb_commands(cb_python: str, export: str, work: Path, names: list[str], out: 
     commands = []
     for name in names:
         commands += [
-            [*base, "--dataset", f"wds/{name}", "--dataset_root", str(work / name), "--split", "test",
-             "--task", "zeroshot_classification", "--output", str(out / f"{name}_zeroshot.json")],
-            [*base, "--dataset", f"wds/{name}", "--dataset_root", str(work / f"{name}_retrieval"), "--split", "test",
-             "--task", "zeroshot_retrieval", "--recall_k", "1", "5", "10", "--output", str(out / f"{name}_retrieval.json")],
-            [*base, "--dataset", f"wds/{name}", "--dataset_root", str(work / name), "--split", "test",
-             "--train_split", "train", "--val_split", "lpval", "--task", "linear_probe",
-             "--feature_root", str(out / "features"), "--output", str(out / f"{name}_linear_probe.json")],
+            [
+                *base,
+                "--dataset",
+                f"wds/{name}",
+                "--dataset_root",
+                str(work / name),
+                "--split",
+                "test",
+                "--task",
+                "zeroshot_classification",
+                "--output",
+                str(out / f"{name}_zeroshot.json"),
+            ],
+            [
+                *base,
+                "--dataset",
+                f"wds/{name}",
+                "--dataset_root",
+                str(work / f"{name}_retrieval"),
+                "--split",
+                "test",
+                "--task",
+                "zeroshot_retrieval",
+                "--recall_k",
+                "1",
+                "5",
+                "10",
+                "--output",
+                str(out / f"{name}_retrieval.json"),
+            ],
+            [
+                *base,
+                "--dataset",
+                f"wds/{name}",
+                "--dataset_root",
+                str(work / name),
+                "--split",
+                "test",
+                "--train_split",
+                "train",
+                "--val_split",
+                "lpval",
+                "--task",
+                "linear_probe",
+                "--feature_root",
+                str(out / "features"),
+                "--output",
+                str(out / f"{name}_linear_probe.json"),
+            ],
         ]
     return commands
 
@@ -116,10 +158,18 @@ def _timed(commands: list[list[str]], env: dict, log: Path) -> float:
 def compare_figures(cb_out: Path, suite_out: Path, names: list[str]) -> list[dict]:
     """Each figure of both, and the difference in points."""
     probe = ["lp_acc1", "lp_acc5", "lp_mean_per_class_recall"]
-    pairs = [("zeroshot", "zero_shot", "clip", ["acc1", "acc5", "mean_per_class_recall"]),
-             ("retrieval", "retrieval", "clip", [f"{w}_retrieval_recall@{k}" for k in (1, 5, 10) for w in ("image", "text")]),
-             # CLIP_benchmark's probe against the suite's protocol of the same recipe, and against CLIP A.3's
-             ("linear_probe", "linear_probe", "clip_benchmark", probe), ("linear_probe", "linear_probe", "clip", probe)]
+    pairs = [
+        ("zeroshot", "zero_shot", "clip", ["acc1", "acc5", "mean_per_class_recall"]),
+        (
+            "retrieval",
+            "retrieval",
+            "clip",
+            [f"{w}_retrieval_recall@{k}" for k in (1, 5, 10) for w in ("image", "text")],
+        ),
+        # CLIP_benchmark's probe against the suite's protocol of the same recipe, and against CLIP A.3's
+        ("linear_probe", "linear_probe", "clip_benchmark", probe),
+        ("linear_probe", "linear_probe", "clip", probe),
+    ]
     rows = []
     for name in names:
         for cb_task, suite_task, protocol, keys in pairs:
@@ -127,9 +177,18 @@ def compare_figures(cb_out: Path, suite_out: Path, names: list[str]) -> list[dic
             ours = json.loads((suite_out / f"{name}_{suite_task}_{protocol}.json").read_text())
             for key in keys:
                 if key in cb and key in ours["metrics"]:
-                    rows.append({"set": name, "task": cb_task, "protocol": protocol, "metric": key, "clip_benchmark": cb[key],
-                                 "suite": ours["metrics"][key], "ci95": ours["ci95"][key],
-                                 "points": round(100 * (ours["metrics"][key] - cb[key]), 3)})
+                    rows.append(
+                        {
+                            "set": name,
+                            "task": cb_task,
+                            "protocol": protocol,
+                            "metric": key,
+                            "clip_benchmark": cb[key],
+                            "suite": ours["metrics"][key],
+                            "ci95": ours["ci95"][key],
+                            "points": round(100 * (ours["metrics"][key] - cb[key]), 3),
+                        }
+                    )
     return rows
 
 
@@ -150,7 +209,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--cb-python", required=True, help="python of the venv with clip-benchmark==1.6.2")
     p.add_argument("--work", required=True, help="scratch folder (replaced)")
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--num-workers", type=int, default=1, help="loader workers of both (at most the fewest shards of a split)")
+    p.add_argument(
+        "--num-workers", type=int, default=1, help="loader workers of both (at most the fewest shards of a split)"
+    )
     p.add_argument("--output-json", help="write figures and times here")
     args = p.parse_args(argv)
     work = Path(args.work)
@@ -186,8 +247,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = report["figures"]
     medians = report["median_seconds"]
     for row in rows:
-        print(f"{row['set']:>14} {row['task']:>13} {row['protocol']:>14} {row['metric']:>28}: clip_benchmark {100 * row['clip_benchmark']:6.2f}"
-              f"  suite {100 * row['suite']:6.2f}  ({row['points']:+.2f} points)")
+        print(
+            f"{row['set']:>14} {row['task']:>13} {row['protocol']:>14} {row['metric']:>28}: "
+            f"clip_benchmark {100 * row['clip_benchmark']:6.2f}"
+            f"  suite {100 * row['suite']:6.2f}  ({row['points']:+.2f} points)"
+        )
     print(f"median: clip_benchmark {medians['clip_benchmark']:.1f} s, suite {medians['suite']:.1f} s, "
           f"{report['speedup']:.2f}x")
     return 0

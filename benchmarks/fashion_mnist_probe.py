@@ -5,8 +5,9 @@
 
 The probe is ``mmssl.evaluation.linear.fit_logistic`` (multinomial logistic regression by
 full-batch L-BFGS on standardised frozen features, as ``tools/linear_probe.py``); this script adds
-what that tool has no notion of: the same architecture randomly initialised, and raw pixels. Features: the final-norm cls token (MAE paper) and the mean of the patch
-tokens, both from one unmasked forward pass.
+what that tool has no notion of: the same architecture randomly initialised, and raw pixels.
+Features: the final-norm cls token (MAE paper) and the mean of the patch tokens, both from one
+unmasked forward pass.
 """
 
 from __future__ import annotations

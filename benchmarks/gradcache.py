@@ -141,8 +141,13 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
     for batch in args.batches:
         plain_runs = not (args.max_plain and batch > args.max_plain)
         for chunk in ((None, args.chunk) if plain_runs else (args.chunk,)):
-            memory.append({"batch": batch, "chunk": chunk,
-                           **_spawn("_one", *common, "--batch", str(batch), *(["--chunk", str(chunk)] if chunk else []))})
+            memory.append(
+                {
+                    "batch": batch,
+                    "chunk": chunk,
+                    **_spawn("_one", *common, "--batch", str(batch), *(["--chunk", str(chunk)] if chunk else [])),
+                }
+            )
             print(json.dumps(memory[-1]), flush=True)
         if plain_runs:
             timing.append(_spawn("_pairs", *common, "--batch", str(batch), "--chunk", str(args.chunk),
@@ -168,8 +173,10 @@ def cpu(args: argparse.Namespace) -> dict[str, Any]:
         for clock in ("cpu", "wall"):
             if "error" not in t:
                 c = t[clock]
-                print(f"{t['batch']:>6} {clock:>5} {c['plain_samples_per_s']:>16.1f} {c['chunked_samples_per_s']:>18.1f}"
-                      f" {c['ratio_median']:>19.2f}")
+                print(
+                    f"{t['batch']:>6} {clock:>5} {c['plain_samples_per_s']:>16.1f} {c['chunked_samples_per_s']:>18.1f}"
+                    f" {c['ratio_median']:>19.2f}"
+                )
     return {"memory": memory, "timing": timing}
 
 
@@ -273,7 +280,9 @@ def estimate(args: argparse.Namespace) -> dict[str, Any]:
     for batch in args.check or []:
         for chunk in ((args.chunk,) if args.chunked_only else (None, args.chunk)):
             peak = peak_step_memory(args.model, batch, chunk, bf16)
-            result.setdefault("peaks_gib", []).append({"batch": batch, "chunk": chunk, "peak_gib": round(peak / GIB, 3)})
+            result.setdefault("peaks_gib", []).append(
+                {"batch": batch, "chunk": chunk, "peak_gib": round(peak / GIB, 3)}
+            )
             print(f"{args.model} batch {batch} chunk {chunk}: peak tensor memory {peak / 2**20:.0f} MiB", flush=True)
     if args.budget_gib:
         for chunk in (None, args.chunk):
@@ -297,8 +306,12 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="timed plain/chunked pairs per batch")
     p.add_argument("--threads", type=int, default=1, help="1: a step's CPU time is its compute")
-    p.add_argument("--max-plain", type=int, default=0,
-                   help="skip plain steps above this batch (0: run all), e.g. where they would not fit a shared machine")
+    p.add_argument(
+        "--max-plain",
+        type=int,
+        default=0,
+        help="skip plain steps above this batch (0: run all), e.g. where they would not fit a shared machine",
+    )
     p.add_argument("--out", default=str(RESULTS / "gradcache_cpu.json"))
     for name in ("_one", "_pairs"):
         p = sub.add_parser(name)

@@ -63,7 +63,9 @@ def plot(rows: list[dict[str, float]], output: Path, title: str) -> None:
 
 
 def table(rows: list[dict[str, float]]) -> str:
-    head = "| step | zero-shot top-1 | RankMe image | RankMe text | alignment | uniformity | modality gap | logit scale |"
+    head = (
+        "| step | zero-shot top-1 | RankMe image | RankMe text | alignment | uniformity | modality gap | logit scale |"
+    )
     lines = [head, "|" + "---|" * 8]
     for r in rows:
         cells = [f"{100 * r['val/zero_shot_top1']:.1f}%"] + [

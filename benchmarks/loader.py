@@ -40,7 +40,6 @@ def open_clip_batches(shards: list[str], workers: int, batch_size: int, image_si
     """open_clip_train's training loader over ``shards`` (its own pipeline and preprocess)."""
     import open_clip
     import open_clip_train.data as data
-
     from open_clip_peer import eof_free_tar_expander
 
     data.tarfile_to_samples_nothrow = eof_free_tar_expander(data)  # webdataset 1.0's end marker
@@ -102,7 +101,9 @@ def _option(parser: argparse.ArgumentParser, name: str, old: str, **kwargs: Any)
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the loaders, print the table (and write ``--output-json``); the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    _option(parser, "--data", "--shards", required=True, help="shard folder or pattern (benchmarks/synthetic_shards.py)")
+    _option(
+        parser, "--data", "--shards", required=True, help="shard folder or pattern (benchmarks/synthetic_shards.py)"
+    )
     _option(parser, "--num-workers", "--workers", type=int, default=1, help="loader worker processes")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2, help="untimed batches")

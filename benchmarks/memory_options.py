@@ -75,7 +75,6 @@ def run_variant(kind: str, variant: str, model_name: str, mae_kwargs: dict[str, 
                 warmup: int, device_name: str) -> dict[str, Any]:
     """One variant in this process: the figures of the module docstring."""
     import torch
-
     from gradcache import PeakTensorMemory
 
     device = torch.device(device_name)

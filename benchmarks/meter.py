@@ -70,7 +70,9 @@ class StepTimer(pl.Callback):
         self._counting: Optional[contextlib.ExitStack] = None
         self._counter: Optional[FlopCounterMode] = None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._start = time.perf_counter()
         if trainer.global_step == self.warmup - 1:
             self._counting = contextlib.ExitStack()
@@ -78,7 +80,9 @@ class StepTimer(pl.Callback):
         if trainer.global_step == self.warmup and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._counting is not None:  # closed before the clock read: not part of a timed step
             self._counting.close()
             self.flops_per_step = self._counter.get_total_flops()

@@ -42,7 +42,9 @@ def open_clip_precision(precision: str) -> str:
         ValueError: for a precision open_clip_train has no counterpart of.
     """
     if precision not in PRECISIONS:
-        raise ValueError(f"--precision {precision!r} has no open_clip_train counterpart; use one of {sorted(PRECISIONS)}")
+        raise ValueError(
+            f"--precision {precision!r} has no open_clip_train counterpart; use one of {sorted(PRECISIONS)}"
+        )
     return PRECISIONS[precision]
 
 
@@ -105,7 +107,9 @@ def parse_peer_log(text: str, warmup: int) -> dict[str, float]:
     rows = [(int(m[1]), float(m[2]), float(m[3])) for m in _STEP_LINE.finditer(text)]
     if len(rows) <= warmup:
         tail = "\n".join(text.splitlines()[-15:])
-        raise RuntimeError(f"open_clip_train logged {len(rows)} steps, need more than {warmup}; its output ended:\n{tail}")
+        raise RuntimeError(
+            f"open_clip_train logged {len(rows)} steps, need more than {warmup}; its output ended:\n{tail}"
+        )
     seen = [rows[0][0]] + [b[0] - a[0] for a, b in zip(rows, rows[1:])]  # samples per step
     timed = list(zip(seen, rows))[warmup:]
     total = sum(r[2] for _, r in timed)

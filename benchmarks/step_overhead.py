@@ -13,9 +13,9 @@ The same model (``configs/fashion_mnist/clip_tiny_28.json``, 8.3M parameters), t
 
 Prints the median ms/step of each and the differences, and how many times ``NonFiniteGuard`` read
 its device flags on the host in the ``mmssl`` run (each read is a device sync on a GPU).
-``--runs guard`` times the guard's hook alone on the model's gradients, on both of its paths. With ``--profile N`` the ``mmssl`` run is
-profiled (cProfile, N timed steps) and the functions of mmssl and Lightning callbacks/loggers that
-cost most per step are listed.
+``--runs guard`` times the guard's hook alone on the model's gradients, on both of its paths.
+With ``--profile N`` the ``mmssl`` run is profiled (cProfile, N timed steps) and the functions
+of mmssl and Lightning callbacks/loggers that cost most per step are listed.
 """
 
 from __future__ import annotations
@@ -171,8 +171,21 @@ def _top(profiler: cProfile.Profile, steps: int, n: int = 25) -> str:
     stats = pstats.Stats(profiler)
     rows = []
     for (file, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():
-        if "/mmssl/" in file or "/callbacks/" in file or "/loggers/" in file or "/loops/" in file or "/core/module" in file:
-            rows.append((cumtime / steps * 1e3, tottime / steps * 1e3, calls // steps, f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line} {name}"))
+        if (
+            "/mmssl/" in file
+            or "/callbacks/" in file
+            or "/loggers/" in file
+            or "/loops/" in file
+            or "/core/module" in file
+        ):
+            rows.append(
+                (
+                    cumtime / steps * 1e3,
+                    tottime / steps * 1e3,
+                    calls // steps,
+                    f"{file.split('site-packages/')[-1].split('/work/main/')[-1]}:{line} {name}",
+                )
+            )
     rows.sort(reverse=True)
     lines = [f"{'cum ms/step':>12}{'own ms/step':>12}{'calls/step':>11}  function"]
     lines += [f"{c:>12.2f}{t:>12.2f}{k:>11}  {f}" for c, t, k, f in rows[:n]]
@@ -205,13 +218,21 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         else:
             parser.error(f"--runs: unknown {run!r}")
         medians[run] = statistics.median(times) * 1e3
-    print(f"\ntiny CLIP ({MODEL.name}), batch {args.batch_size}, fp32, 1 thread, {args.steps - args.warmup} timed steps")
+    print(
+        f"\ntiny CLIP ({MODEL.name}), batch {args.batch_size}, fp32, 1 thread, {args.steps - args.warmup} timed steps"
+    )
     width = max(10, *(len(run) + 2 for run in medians))
     for run, ms in medians.items():
-        extra = f"  (+{ms - medians['torch']:.2f} ms over torch)" if "torch" in medians and run in ("lightning", "mmssl") else ""
+        extra = (
+            f"  (+{ms - medians['torch']:.2f} ms over torch)"
+            if "torch" in medians and run in ("lightning", "mmssl")
+            else ""
+        )
         print(f"{run:<{width}}{ms:8.2f} ms{'' if run.startswith('guard') else '/step'}{extra}")
     if report:
-        print("\nmmssl run, cProfile (cumulative per step, project and Lightning loop/callback/logger code):\n" + report)
+        print(
+            "\nmmssl run, cProfile (cumulative per step, project and Lightning loop/callback/logger code):\n" + report
+        )
     return {"ms_per_step": medians, "profile": report}
 
 

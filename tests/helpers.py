@@ -55,7 +55,8 @@ class DumpGrads(pl.Callback):
 
 
 class DumpShards(pl.Callback):
-    """Write the shards this rank reads in its first epoch (and where Lightning placed it) to ``{folder}/rank{R}.json``."""
+    """Write the shards this rank reads in its first epoch (and where Lightning placed it) to
+    ``{folder}/rank{R}.json``."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder

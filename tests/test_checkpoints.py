@@ -46,7 +46,9 @@ def craft(tmp_path: Path, kind: str) -> tuple[Path, Path, str]:
     state = MAE(**TINY).state_dict()
     if kind == "zip":  # torch.save's default format
         path, payload, name = tmp_path / "evil.ckpt", SystemPayload(marker), f"{os.system.__module__}.system"
-        torch.save({"state_dict": state, "hyper_parameters": {"_class_path": "mmssl.models.mae.MAE", "x": payload}}, path)
+        torch.save(
+            {"state_dict": state, "hyper_parameters": {"_class_path": "mmssl.models.mae.MAE", "x": payload}}, path
+        )
     else:  # a bare pickle: torch.load's legacy path
         path, payload, name = tmp_path / "evil.pth", OpenPayload(marker), f"{open.__module__}.open"
         with open(path, "wb") as f:

@@ -28,7 +28,9 @@ def warnings_in(output: str) -> set[tuple[str, str]]:
         m = WARNING_LINE.match(line.strip())
         if m:
             origin = m["path"].rsplit("/", 1)[-1] if m["path"] else "logging"
-            prefix = next((p for o, p in EXPECTED | OPTIONAL if o == origin and m["message"].startswith(p)), m["message"])
+            prefix = next(
+                (p for o, p in EXPECTED | OPTIONAL if o == origin and m["message"].startswith(p)), m["message"]
+            )
             found.add((origin, prefix))
     return found
 
@@ -62,5 +64,7 @@ def test_building_a_clip_drops_only_open_clips_random_init_notice(tiny_clip_json
         CLIP(model_name=tiny_clip_json)  # weights come later (a checkpoint) or are meant random
         logging.warning("No pretrained weights loaded for model 'x'. Model initialized randomly.")
     # Dropped during the model's creation only: the same message logged afterwards still shows.
-    assert [r.getMessage() for r in caplog.records] == ["No pretrained weights loaded for model 'x'. Model initialized randomly."]
+    assert [r.getMessage() for r in caplog.records] == [
+        "No pretrained weights loaded for model 'x'. Model initialized randomly."
+    ]
     assert logging.getLogger().filters == filters

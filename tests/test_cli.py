@@ -41,7 +41,12 @@ def test_a_bad_sigterm_grace_leaves_help_working_and_stops_fit_naming_it(monkeyp
     for bad in ("-1", "inf", "nan"):  # a negative or endless grace would lose the hard exit
         with pytest.raises(ValueError, match=f"{GRACE_ENV}='{bad}'"):
             sigterm_grace_s({GRACE_ENV: bad})
-    assert [sigterm_grace_s(env) for env in ({}, {GRACE_ENV: ""}, {GRACE_ENV: "0"}, {GRACE_ENV: "2.5"})] == [60, 60, 0, 2.5]
+    assert [sigterm_grace_s(env) for env in ({}, {GRACE_ENV: ""}, {GRACE_ENV: "0"}, {GRACE_ENV: "2.5"})] == [
+        60,
+        60,
+        0,
+        2.5,
+    ]
 
 
 def test_clip_demo_config_fits_end_to_end(tmp_path, tiny_demo, tiny_clip_json, capsys):

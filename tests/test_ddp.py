@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+
 from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
 
 TINY_MAE = [
@@ -110,7 +111,11 @@ def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, 
             "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", *CALLBACKS[recipe.removesuffix("_lora")],
         ]
         if recipe == "coca":  # its demo validates by steps; here at the epoch's end, as the others
-            args += ["--trainer.max_steps=-1", "--trainer.val_check_interval=1.0", "--trainer.check_val_every_n_epoch=1"]
+            args += [
+                "--trainer.max_steps=-1",
+                "--trainer.val_check_interval=1.0",
+                "--trainer.check_val_every_n_epoch=1",
+            ]
         if recipe == "clip_lora" and processes == 2:
             # Rank 1 imports peft (and with it transformers, ~7 s of CPU) before it joins the
             # rendezvous, which waits no longer than the process-group timeout: more of it here.

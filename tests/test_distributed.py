@@ -20,8 +20,8 @@ from open_clip.loss import ClipLoss, SigLipLoss
 from torch.nn.parallel import DistributedDataParallel
 
 from mmssl.distributed import gather_with_grad, rank, world_size
-from mmssl.retrieval import distributed_retrieval_hits, retrieval_metrics
 from mmssl.models.clip import CLIP
+from mmssl.retrieval import distributed_retrieval_hits, retrieval_metrics
 
 WORLD = 2
 BATCH = 8  # global; 4 per rank

@@ -109,7 +109,9 @@ def _expand(tokens: list[str], variables: dict[str, str]) -> list[str]:
 def _classify(tokens: list[str]) -> Optional[tuple[str, str, list[str]]]:
     """A simple command -> ("mmssl", "", argv) / ("tool", script, argv), or None if neither."""
     env: dict[str, str] = {}
-    while tokens and (re.fullmatch(r"[A-Za-z_]\w*=.*", tokens[0]) or tokens[0] in ("do", "nice", "env", "time", "srun")):
+    while tokens and (
+        re.fullmatch(r"[A-Za-z_]\w*=.*", tokens[0]) or tokens[0] in ("do", "nice", "env", "time", "srun")
+    ):
         if "=" in tokens[0]:
             env.update([tokens[0].split("=", 1)])
         tokens = tokens[1:]
@@ -122,7 +124,11 @@ def _classify(tokens: list[str]) -> Optional[tuple[str, str, list[str]]]:
     if "-m" in tokens and tokens[0] in ("python", "python3", "torchrun"):
         at = tokens.index("-m")
         return ("mmssl", "", tokens[at + 2:]) if tokens[at + 1:at + 2] == ["mmssl"] else None
-    if tokens[0] in ("python", "python3") and len(tokens) > 1 and re.fullmatch(r"(tools|benchmarks)/\w+\.py", tokens[1]):
+    if (
+        tokens[0] in ("python", "python3")
+        and len(tokens) > 1
+        and re.fullmatch(r"(tools|benchmarks)/\w+\.py", tokens[1])
+    ):
         return "tool", tokens[1], tokens[2:]
     if tokens[:2] == ["sbatch", "tools/slurm/train.sbatch"]:  # srun mmssl fit --config $CONFIG + ddp.yaml
         config = env.get("CONFIG", "configs/clip/vit_b32.yaml")
@@ -308,7 +314,11 @@ def test_extraction_reads_shell_as_a_reader_types_it() -> None:
         ("mmssl", "", ["fit", "--config", "c.yaml", "--a", "1", "--b", "2", "--trainer.default_root_dir=runs/w$w"]),
         ("tool", "tools/zero_shot.py", ["--ckpt", "runs/x/last.ckpt"]),
         ("mmssl", "", ["fit", "--config", "d.yaml", "--x=16"]),
-        ("mmssl", "", ["fit", "--config", "e.yaml", "--config", "configs/trainer/ddp.yaml", "--data.train_data", "a b"]),
+        (
+            "mmssl",
+            "",
+            ["fit", "--config", "e.yaml", "--config", "configs/trainer/ddp.yaml", "--data.train_data", "a b"],
+        ),
         ("mmssl", "", ["fit", "--config", "f.yaml"]),
         ("tool", "tools/plan_stream.py", ["--data", "x/{0..9}.tar"]),
     ]

@@ -152,8 +152,8 @@ def test_two_rank_run_killed_mid_epoch_finishes_the_epoch_elastically_on_one(tmp
     both = consumed + trained
     twice = sorted({x for x in both if both.count(x) > 1})
     assert not twice, (f"read twice: {twice}; run 1 steps < {k}: "
-                       f"{[(s, r, l) for s, r, l in run1 if s < k and set(l) & set(twice)]}; "
-                       f"run 2: {[(s, l) for s, _, l in run2 if set(l) & set(twice)]}")
+                       f"{[(s, r, ids) for s, r, ids in run1 if s < k and set(ids) & set(twice)]}; "
+                       f"run 2: {[(s, ids) for s, _, ids in run2 if set(ids) & set(twice)]}")
     missing = epoch - set(both)
     # Run 1's plan left the tail of its epoch base out (fewer than 2 x 4); the elastic plan deals
     # the unconsumed rest of run 1's plan over 1 x 1 x 3 and leaves out fewer than 1 x 3 more.

@@ -125,7 +125,9 @@ def test_hf_clip_model_loads_with_no_missing_keys_and_equal_outputs(clip_ckpt, t
 
 def test_hf_export_refuses_towers_transformers_cannot_hold(tmp_path):
     timm_tower = _perturbed(CLIP(str(REPO / "configs/models/clip_micro_timm.json")))
-    torch.save({"state_dict": timm_tower.state_dict(), "hyper_parameters": dict(timm_tower.hparams)}, tmp_path / "t.ckpt")
+    torch.save(
+        {"state_dict": timm_tower.state_dict(), "hyper_parameters": dict(timm_tower.hparams)}, tmp_path / "t.ckpt"
+    )
     refused = _export_refused(  # NotRepresentable
         "--ckpt", str(tmp_path / "t.ckpt"), "--format", "hf", "--output", str(tmp_path / "hf")
     )
@@ -159,7 +161,9 @@ def test_open_clip_hub_folder_loads_through_local_dir_with_equal_outputs(clip_ck
     if model.model.logit_bias is not None:
         assert theirs.logit_bias.item() == model.model.logit_bias.item()
     normalize = preprocess.transforms[-1]
-    assert tuple(normalize.mean) == pytest.approx(model.image_mean) and tuple(normalize.std) == pytest.approx(model.image_std)
+    assert tuple(normalize.mean) == pytest.approx(model.image_mean) and tuple(normalize.std) == pytest.approx(
+        model.image_std
+    )
 
 
 def test_mae_encoder_timm_folder_loads_by_local_dir_and_by_file_overlay(tmp_path):

@@ -16,11 +16,11 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from tests.cli_runs import REPO, last_metrics, run_mmssl
-from tests.data.shard_helpers import write_tar
 
 from mmssl.cli import cli_main
 from mmssl.models import ImageClassifier
+from tests.cli_runs import REPO, last_metrics, run_mmssl
+from tests.data.shard_helpers import write_tar
 
 CONFIGS = REPO / "configs" / "finetune"
 COLOURS = ((200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30))
@@ -103,14 +103,30 @@ def test_the_long_fashion_mnist_stack_keeps_the_recipe_and_scores_the_ema(labell
     assert exit_info.value.code == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
     model, data, trainer = cfg["model"]["init_args"], cfg["data"]["init_args"], cfg["trainer"]
-    assert (trainer["max_steps"], trainer["max_epochs"], trainer["val_check_interval"]) == (30 * (60000 // 128), 30, 1.0)
+    assert (trainer["max_steps"], trainer["max_epochs"], trainer["val_check_interval"]) == (
+        30 * (60000 // 128),
+        30,
+        1.0,
+    )
     assert model["warmup_steps"] == round(0.05 * trainer["max_steps"])
     assert (model["mixup"], model["cutmix"], data["train_augment"]) == (0.0, 0.0, None)
-    assert (model["blr"], model["layer_decay"], model["label_smoothing"], model["drop_path_rate"]) == (2e-3, 0.75, 0.1, 0.1)
+    assert (model["blr"], model["layer_decay"], model["label_smoothing"], model["drop_path_rate"]) == (
+        2e-3,
+        0.75,
+        0.1,
+        0.1,
+    )
     assert (data["crop_scale"], data["hflip"], data["batch_size"]) == ([0.5, 1.0], True, 128)
     callbacks = {c["class_path"].rsplit(".", 1)[-1]: c.get("init_args", {}) for c in trainer["callbacks"]}
-    assert set(callbacks) == {"ModelCheckpoint", "LearningRateMonitor", "EMA"} and callbacks["ModelCheckpoint"]["save_last"]
-    assert (callbacks["EMA"]["decay"], callbacks["EMA"]["warmup_power"], callbacks["EMA"]["evaluate"]) == (0.999, 0.75, "both")
+    assert (
+        set(callbacks) == {"ModelCheckpoint", "LearningRateMonitor", "EMA"}
+        and callbacks["ModelCheckpoint"]["save_last"]
+    )
+    assert (callbacks["EMA"]["decay"], callbacks["EMA"]["warmup_power"], callbacks["EMA"]["evaluate"]) == (
+        0.999,
+        0.75,
+        "both",
+    )
 
     train, val = labelled  # 96 training samples: 6 steps of 16 an epoch
     cli = cli_main(["fit", *stack, *TINY, f"--data.init_args.train_data={train}", f"--data.init_args.val_data={val}",
@@ -119,6 +135,8 @@ def test_the_long_fashion_mnist_stack_keeps_the_recipe_and_scores_the_ema(labell
     assert cli.trainer.global_step == 12
     [run] = sorted((tmp_path / "runs").glob("version_*"))
     rows = list(csv.DictReader(open(run / "metrics.csv")))
-    scored = [(r["step"], r["val/top1"], r["val/top1_ema"]) for r in rows if r.get("val/top1") and r.get("val/top1_ema")]
+    scored = [
+        (r["step"], r["val/top1"], r["val/top1_ema"]) for r in rows if r.get("val/top1") and r.get("val/top1_ema")
+    ]
     assert [s for s, _, _ in scored] == ["5", "11"], scored  # after each of the 2 epochs, both weights
     assert (run / "checkpoints" / "last.ckpt").is_file()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
 from tests.cli_runs import PG_TIMEOUT, REPO, run_mmssl, run_one_process
 from tests.test_finetune import CONFIGS, TINY, write_labelled
 from tests.test_resume import _assert_same_params, _csv_entries

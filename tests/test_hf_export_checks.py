@@ -46,13 +46,28 @@ def _edited(base: nn.Module, edit) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("tower, cfg, message", [
-    ("vision", {"ls_init_value": 0.1}, "^image tower block 0: layer scale"),
-    ("text", {"ls_init_value": 0.1}, "^text tower block 0: layer scale"),
-    ("vision", {"scale_fc": True}, r"^image tower block 0: CustomResidualAttentionBlock/Attention \(open_clip's custom block"),
-    ("text", {"scale_attn": True}, r"^text tower block 0: CustomResidualAttentionBlock/Attention \(open_clip's custom block"),
-    ("vision", {"qk_norm": True}, r"^image tower block 0: CustomResidualAttentionBlock/Attention \(open_clip's custom block"),
-])
+@pytest.mark.parametrize(
+    "tower, cfg, message",
+    [
+        ("vision", {"ls_init_value": 0.1}, "^image tower block 0: layer scale"),
+        ("text", {"ls_init_value": 0.1}, "^text tower block 0: layer scale"),
+        (
+            "vision",
+            {"scale_fc": True},
+            r"^image tower block 0: CustomResidualAttentionBlock/Attention \(open_clip's custom block",
+        ),
+        (
+            "text",
+            {"scale_attn": True},
+            r"^text tower block 0: CustomResidualAttentionBlock/Attention \(open_clip's custom block",
+        ),
+        (
+            "vision",
+            {"qk_norm": True},
+            r"^image tower block 0: CustomResidualAttentionBlock/Attention \(open_clip's custom block",
+        ),
+    ],
+)
 def test_blocks_clipencoderlayer_cannot_be_are_refused_by_tower_and_block(tower, cfg, message):
     model = _clip(**{tower: cfg})
     assert pytest.raises(NotRepresentable, check_representable, model).match(message)
@@ -80,7 +95,11 @@ def test_activations_eps_and_qkv_that_clipmodel_lacks_are_refused_naming_the_blo
     for part in ("in_proj_weight", "in_proj_bias"):
         def no_fused(m, part=part):
             setattr(m.visual.transformer.resblocks[1].attn, part, None)
-        assert _refused(_edited(base, no_fused)) == "image tower block 1: attention without a fused biased q/k/v projection"
+
+        assert (
+            _refused(_edited(base, no_fused))
+            == "image tower block 1: attention without a fused biased q/k/v projection"
+        )
 
     def ln_attn(m):
         m.transformer.resblocks[0].ln_attn = nn.LayerNorm(32)
@@ -166,8 +185,10 @@ def test_a_linear_text_projection_and_tuple_image_size_load_into_clipmodel_with_
 @pytest.mark.parametrize("text, pool", [({"no_causal_mask": True}, "argmax"), ({"pool_type": "last"}, "last"),
                                         ({"embed_cls": True, "pool_type": "last"}, "last")])
 def test_text_towers_cliptextmodel_cannot_hold_are_refused_with_the_pooling(text, pool):
-    assert _refused(_clip(text=text)) == (f"text tower without the causal mask, with a class token or pooled by {pool!r}: "
-                                          "CLIPTextModel is causal and pools the end-of-text token")
+    assert _refused(_clip(text=text)) == (
+        f"text tower without the causal mask, with a class token or pooled by {pool!r}: "
+        "CLIPTextModel is causal and pools the end-of-text token"
+    )
 
 
 def test_a_text_vocabulary_other_than_open_clips_bpe_is_refused():

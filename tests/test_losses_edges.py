@@ -85,4 +85,6 @@ def test_losses_build_their_labels_on_the_features_device():
     # The meta device stands in for a GPU: labels made on the CPU would fail cross_entropy there.
     img = torch.empty(4, 8, device="meta")
     assert clip_loss(img, img, torch.tensor(2.0, device="meta")).device.type == "meta"
-    assert siglip_loss(img, img, torch.tensor(2.0, device="meta"), torch.tensor(1.0, device="meta")).device.type == "meta"
+    assert (
+        siglip_loss(img, img, torch.tensor(2.0, device="meta"), torch.tensor(1.0, device="meta")).device.type == "meta"
+    )

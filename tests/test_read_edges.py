@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from mmssl.checkpoints.read import (
-    AVERAGING_STATE, RAW_WEIGHTS, UnsafeCheckpointError, has_averaged_weights, lightning_weights, read_checkpoint,
+    AVERAGING_STATE,
+    RAW_WEIGHTS,
+    UnsafeCheckpointError,
+    has_averaged_weights,
+    lightning_weights,
+    read_checkpoint,
     read_state_dict,
 )
 

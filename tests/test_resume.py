@@ -341,7 +341,12 @@ def test_continued_csv_keeps_rows_before_the_resume_step_and_unites_headers(tmp_
     logger.save()
     with open(run / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["step"], r["a"], r["b"]) for r in rows] == [("0", "1.0", ""), ("1", "2.0", ""), ("2", "5.0", ""), ("3", "", "6.0")]
+    assert [(r["step"], r["a"], r["b"]) for r in rows] == [
+        ("0", "1.0", ""),
+        ("1", "2.0", ""),
+        ("2", "5.0", ""),
+        ("3", "", "6.0"),
+    ]
 
 
 def test_last_checkpoint_is_the_newest_in_the_run_folder_or_a_configured_dirpath(tmp_path):

@@ -303,7 +303,10 @@ def test_ddp_forward_broadcasts_on_the_two_flags():
                 "torch", "DistributedDataParallel.require_forward_param_sync",
                 "a forward with gradients no longer sets it to True")
             assert model.will_sync_module_buffers(), _changed(
-                "torch", "DistributedDataParallel.will_sync_module_buffers", "the two flags set no longer mean a broadcast")
+                "torch",
+                "DistributedDataParallel.will_sync_module_buffers",
+                "the two flags set no longer mean a broadcast",
+            )
             upstream.set_ddp_buffer_sync_state(model, (False, True))
             assert not model.will_sync_module_buffers(), _changed(
                 "torch", "DistributedDataParallel.broadcast_buffers", "setting it False no longer stops the broadcast")

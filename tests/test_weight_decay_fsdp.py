@@ -11,7 +11,6 @@ import multiprocessing
 import os
 import socket
 
-import pytest
 import torch
 
 from mmssl.optim import clean_name, param_groups
@@ -119,7 +118,9 @@ def test_decay_groups_are_the_same_after_fsdp_flattening():
             assert o["after"] == o["before"], f"rank {rank} {key}: groups changed under FSDP"
         # What a live-ndim rule does with the shards: the wrapped weight matrices escape decay.
         assert {"encoder.blocks.0.attn.qkv.weight", "decoder.embed.weight"} <= out["mae"]["live_plain"]
-        assert {"model.visual.conv1.weight", "model.transformer.resblocks.0.mlp.c_fc.weight"} <= out["clip"]["live_plain"]
+        assert {"model.visual.conv1.weight", "model.transformer.resblocks.0.mlp.c_fc.weight"} <= out["clip"][
+            "live_plain"
+        ]
         whole = out.pop("whole_clip")
         assert "scalar parameters" in whole["refused"]  # why CLIP.configure_model reshapes them
         assert whole["finite"] and whole["shapes"] == {"model.logit_scale": (), "model.logit_bias": ()}
@@ -129,4 +130,8 @@ def test_decay_groups_are_the_same_after_fsdp_flattening():
         assert {"encoder.blocks.0.norm1.weight", "decoder.pred.bias"} <= mae_plain
         clip_decay, clip_plain = out["clip"]["before"]
         assert {"model.visual.class_embedding", "model.logit_scale", "model.token_embedding.weight"} <= clip_decay
-        assert {"model.visual.positional_embedding", "model.positional_embedding", "model.ln_final.weight"} <= clip_plain
+        assert {
+            "model.visual.positional_embedding",
+            "model.positional_embedding",
+            "model.ln_final.weight",
+        } <= clip_plain

@@ -38,7 +38,9 @@ def test_interpolation_is_the_weighted_mean_and_refuses_what_differs():
     torch.testing.assert_close(mixed["w"], torch.full((2, 3), 0.25))
     torch.testing.assert_close(mixed["b"], torch.full((3,), 1.5))
     assert int(mixed["n"]) == 5 and int(interpolate_state(a, b, 0.0)["n"]) == 1  # integers are not mixed
-    assert torch.equal(interpolate_state(a, b, 0.0)["w"], a["w"]) and torch.equal(interpolate_state(a, b, 1.0)["w"], b["w"])
+    assert torch.equal(interpolate_state(a, b, 0.0)["w"], a["w"]) and torch.equal(
+        interpolate_state(a, b, 1.0)["w"], b["w"]
+    )
     with pytest.raises(ValueError, match="key 'extra' is in the end checkpoint only"):
         interpolate_state(a, {**b, "extra": torch.ones(1)}, 0.5)
     with pytest.raises(ValueError, match=r"key 'b' has shape \(3,\) in the start and \(4,\) in the end"):
@@ -48,9 +50,13 @@ def test_interpolation_is_the_weighted_mean_and_refuses_what_differs():
             check_alphas([0.5, bad])
     start = {"state_dict": a, "hyper_parameters": {"_class_path": CLIP_PATH, "model_name": "ViT-B-32"}}
     other = {"state_dict": b, "hyper_parameters": {"_class_path": CLIP_PATH, "model_name": "ViT-B-16"}}
-    assert "hyper-parameter 'model_name' is 'ViT-B-32' in the start and 'ViT-B-16'" in architecture_mismatch(start, other)
+    assert "hyper-parameter 'model_name' is 'ViT-B-32' in the start and 'ViT-B-16'" in architecture_mismatch(
+        start, other
+    )
     classifier = {"state_dict": b, "hyper_parameters": {"_class_path": "mmssl.models.classifier.ImageClassifier"}}
-    assert architecture_mismatch(start, classifier) == "the start is a CLIP checkpoint and the end a ImageClassifier one"
+    assert (
+        architecture_mismatch(start, classifier) == "the start is a CLIP checkpoint and the end a ImageClassifier one"
+    )
 
 
 def test_the_tool_scores_plots_and_exports_a_checkpoint_every_tool_reads(tiny_clip_json, tiny_demo, tmp_path):
@@ -72,7 +78,9 @@ def test_the_tool_scores_plots_and_exports_a_checkpoint_every_tool_reads(tiny_cl
     mixed = load_lightning(str(tmp_path / "mix.ckpt"))  # what every tool reads
     assert isinstance(mixed, CLIP)
     key = "model.visual.conv1.weight"
-    torch.testing.assert_close(mixed.state_dict()[key], 0.5 * (start_module.state_dict()[key] + end_module.state_dict()[key]))
+    torch.testing.assert_close(
+        mixed.state_dict()[key], 0.5 * (start_module.state_dict()[key] + end_module.state_dict()[key])
+    )
     # Refusals: an existing output, an alpha outside [0, 1], another architecture (named).
     assert _main()(argv) == 1
     assert _main()([*argv[:4], "--keep", *sets, "--alphas", "1.2"]) == 1

@@ -7,10 +7,10 @@
 
 Prints samples/s, step time, the fraction of time waiting for data, peak memory and model FLOP
 utilisation over the device's matmul peak, measured right before and after the timed steps (no
-figure, and a note why, where the model outran that probe), and a warning when the run is on a CPU in bf16 that runs bf16 slower than fp32);
-with --compare-open-clip (CLIP) or --compare-lightly (MAE) also the peer's figures and
-the ratio; with --compare-mask-ratio R the MAE speed-up of the config's mask ratio over R beside
-the FLOP ratio of the two runs.
+figure, and a note why, where the model outran that probe), and a warning when the run is on a
+CPU in bf16 that runs bf16 slower than fp32); with --compare-open-clip (CLIP) or
+--compare-lightly (MAE) also the peer's figures and the ratio; with --compare-mask-ratio R the
+MAE speed-up of the config's mask ratio over R beside the FLOP ratio of the two runs.
 """
 
 from __future__ import annotations

@@ -171,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     add_option(parser, "--data", "--source", default=DEFAULT_SOURCE,
                help=f"folder with the four idx files (default {DEFAULT_SOURCE})")
     parser.add_argument("--output", required=True, help="writes OUTPUT/train and OUTPUT/test")
-    parser.add_argument("--shard-size", type=int, default=5000, help="samples per shard (5000: 12 train and 2 test shards, enough for 2 workers in exact epochs)")
+    parser.add_argument(
+        "--shard-size",
+        type=int,
+        default=5000,
+        help="samples per shard (5000: 12 train and 2 test shards, enough for 2 workers in exact epochs)",
+    )
     parser.add_argument("--limit", type=int, help="first N samples per split only")
     parser.add_argument("--seed", type=int, default=0, help="caption seed")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier run's shards in OUTPUT")

@@ -30,7 +30,11 @@ from tools._common import add_loader_arguments, add_output_json, run  # noqa: E4
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(p)
-    p.add_argument("--train-data", required=True, help="labelled train set: clip_benchmark DIR/SPLIT, shard folder/pattern, or image folder")
+    p.add_argument(
+        "--train-data",
+        required=True,
+        help="labelled train set: clip_benchmark DIR/SPLIT, shard folder/pattern, or image folder",
+    )
     p.add_argument("--val-data", required=True, help="labelled evaluation set")
     p.add_argument("--feature", choices=("cls", "avg", "embedding"), default="cls")
     p.add_argument("--method", choices=("lbfgs", "mae"), default="lbfgs",

@@ -3,8 +3,9 @@
     python tools/make_shards.py --data imgs/ --output shards/ --template "a photo of a {c}."
     python tools/make_shards.py --data pairs.tsv --output shards/ --shard-size 5000 --resize 256
 
-``--data`` is an image folder or a table (a file). A folder holds one sub-folder per class: each image gets ``cls`` (class index, folders sorted)
-and a caption from the template, and the output is a clip_benchmark ``wds/`` set:
+``--data`` is an image folder or a table (a file). A folder holds one sub-folder per class: each
+image gets ``cls`` (class index, folders sorted) and a caption from the template, and the output
+is a clip_benchmark ``wds/`` set:
 ``OUTPUT/{split}/0.tar ..`` with ``nshards.txt`` (``--split``, default ``train``), and
 ``classnames.txt`` plus ``zeroshot_classification_templates.txt`` (the caption template) at
 ``OUTPUT``, so ``clip_benchmark eval --dataset wds/NAME --dataset_root OUTPUT --split train`` and

@@ -34,8 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=2, help="epochs to plan")
     parser.add_argument("--seed", type=int, default=0, help="data.seed")
     args = parser.parse_args(argv)
-    for flag, value, least in (("--nodes", args.nodes, 1), ("--devices", args.devices, 1), ("--num-workers", args.num_workers, 0),
-                               ("--batch-size", args.batch_size, 1), ("--shuffle-buffer", args.shuffle_buffer, 1)):
+    for flag, value, least in (
+        ("--nodes", args.nodes, 1),
+        ("--devices", args.devices, 1),
+        ("--num-workers", args.num_workers, 0),
+        ("--batch-size", args.batch_size, 1),
+        ("--shuffle-buffer", args.shuffle_buffer, 1),
+    ):
         if value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
     return run("plan_stream", lambda: _plan(args))
@@ -51,18 +56,25 @@ def _plan(args: argparse.Namespace) -> int:
     topology = Topology(world, workers, args.batch_size, args.shuffle_buffer)
     s = describe(sizes, topology, args.seed, max(1, args.epochs))
     if s.rank_batches == 0:
-        raise ValueError(f"{args.data}: {s.samples} samples cannot fill one global batch of {world} x {args.batch_size}")
+        raise ValueError(
+            f"{args.data}: {s.samples} samples cannot fill one global batch of {world} x {args.batch_size}"
+        )
     print(f"data:              {s.shards:,} shards, {s.samples:,} samples (sizes.json)")
     print(f"topology:          {args.nodes} nodes x {args.devices} devices = {world} ranks, x {workers} workers = "
           f"{world * workers:,} slots; batch {args.batch_size} per rank")
-    print(f"batches per rank:  {s.rank_batches:,} per epoch ({s.worker_batches[0]:,}-{s.worker_batches[1]:,} per worker)")
+    print(
+        f"batches per rank:  {s.rank_batches:,} per epoch ({s.worker_batches[0]:,}-{s.worker_batches[1]:,} per worker)"
+    )
     print(f"samples per epoch: {s.read:,} read, {s.left_out:,} left out "
           f"(< {world} x {args.batch_size} = {world * args.batch_size:,}; other samples each epoch)")
-    print(f"duplicates:        {', '.join(f'{d:,}' for d in s.duplicates)} (epoch {', '.join(map(str, range(len(s.duplicates))))})")
+    epochs = ", ".join(map(str, range(len(s.duplicates))))
+    print(f"duplicates:        {', '.join(f'{d:,}' for d in s.duplicates)} (epoch {epochs})")
     print("ranges mid-shard:  " + ", ".join(f"{r:,} ({r / s.read:.1%})" for r in s.skipped_reads)
           + " samples precede slot ranges inside shards (local tars: seeked over; URLs: read, not decoded)")
     for epoch, (slot, rank) in enumerate(zip(s.slot_changed, s.rank_changed)):
-        print(f"mixing {epoch} -> {epoch + 1}:      {slot:.1%} of shards read by other slots, {rank:.1%} by other ranks")
+        print(
+            f"mixing {epoch} -> {epoch + 1}:      {slot:.1%} of shards read by other slots, {rank:.1%} by other ranks"
+        )
     print(f"planning time:     {s.seconds:.3f} s per epoch")
     return 0
 

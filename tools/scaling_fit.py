@@ -66,16 +66,29 @@ def _fit(args: argparse.Namespace) -> None:
                                        ("b = 0", fit.b <= 1e-6), ("b = 5", fit.b >= 5 - 1e-6)) if hit]
     if at_bound:
         print(f"  warning: the fit sits on its bound ({', '.join(at_bound)}): these points do not constrain it")
-    report = {"metric": args.metric, "select": args.select, "runs": [run.name for run in runs],
-              "points": [{"compute": float(c), "value": float(v), "spread": None if math.isnan(s) else float(s),
-                          "runs": int(n)} for n, c, v, s in zip(count, compute, loss, spread)],
-              "a": fit.a, "b": fit.b, "c": fit.c, "stderr": err, "at_bound": at_bound, "covariance_log_a_b_c": fit.covariance.tolist()}
+    report = {
+        "metric": args.metric,
+        "select": args.select,
+        "runs": [run.name for run in runs],
+        "points": [
+            {"compute": float(c), "value": float(v), "spread": None if math.isnan(s) else float(s), "runs": int(n)}
+            for n, c, v, s in zip(count, compute, loss, spread)
+        ],
+        "a": fit.a,
+        "b": fit.b,
+        "c": fit.c,
+        "stderr": err,
+        "at_bound": at_bound,
+        "covariance_log_a_b_c": fit.covariance.tolist(),
+    }
     if args.target_loss is not None:
         report["target_loss"] = args.target_loss
         report["target_compute"] = fit.compute_for(args.target_loss)
         print(f"  {args.metric} = {args.target_loss} needs C = {report['target_compute']:.4g} FLOPs by the fit")
     os.makedirs(args.output, exist_ok=True)
-    grid = np.logspace(np.log10(compute.min()) - 0.3, np.log10(max(compute.max(), report.get("target_compute", 0))) + 0.3, 200)
+    grid = np.logspace(
+        np.log10(compute.min()) - 0.3, np.log10(max(compute.max(), report.get("target_compute", 0))) + 0.3, 200
+    )
     label = f"{fit.a:.3g} C^-({fit.b:.3f}±{err['b']:.3f}) + {fit.c:.3f}"
     save_png(scaling_figure(compute, loss, None if np.isnan(spread).all() else np.nan_to_num(spread),
                             grid, fit(grid), label, fit.c, args.metric), os.path.join(args.output, "scaling_fit.png"))

@@ -14,4 +14,19 @@ from mmssl.callbacks.summary import RunSummary
 from mmssl.callbacks.throughput import Throughput
 from mmssl.callbacks.zero_shot import ZeroShot
 
-__all__ = ["CaptionNaming", "EMA", "EmbeddingHealth", "EmbeddingProjector", "EvaluationBufferSync", "KNNProbe", "LinearProbe", "LogStepOnResume", "NonFiniteGuard", "Reconstructions", "RNGState", "RunSummary", "Throughput", "ZeroShot"]
+__all__ = [
+    "CaptionNaming",
+    "EMA",
+    "EmbeddingHealth",
+    "EmbeddingProjector",
+    "EvaluationBufferSync",
+    "KNNProbe",
+    "LinearProbe",
+    "LogStepOnResume",
+    "NonFiniteGuard",
+    "Reconstructions",
+    "RNGState",
+    "RunSummary",
+    "Throughput",
+    "ZeroShot",
+]

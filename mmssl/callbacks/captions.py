@@ -38,7 +38,9 @@ class CaptionNaming(pl.Callback):
                  generation_type: str = "top_k", seq_len: int = 12, top_k: int = 1, batch_size: int = 32,
                  num_workers: int = 0) -> None:
         if generation_type not in GENERATION_TYPES:
-            raise ValueError(f"CaptionNaming: generation_type {generation_type!r} is not one of {list(GENERATION_TYPES)}")
+            raise ValueError(
+                f"CaptionNaming: generation_type {generation_type!r} is not one of {list(GENERATION_TYPES)}"
+            )
         self.data, self.classnames, self.max_samples = data, classnames, max_samples
         self.generation = {"generation_type": generation_type, "seq_len": seq_len}
         if generation_type == "top_k":
@@ -55,7 +57,9 @@ class CaptionNaming(pl.Callback):
         if not will_evaluate(trainer, stage):
             return
         if not hasattr(pl_module, "generation_ids"):
-            raise TypeError(f"CaptionNaming needs a captioning model (mmssl.models.coca.CoCa), not {type(pl_module).__name__}")
+            raise TypeError(
+                f"CaptionNaming needs a captioning model (mmssl.models.coca.CoCa), not {type(pl_module).__name__}"
+            )
         data = self._data(trainer)
         check_labelled_set(data, "CaptionNaming", "init_args.data", need_classnames=self.classnames is None)
         read_classnames(data, self.classnames)

@@ -98,7 +98,9 @@ class EMA(WeightAveraging):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA: init_args.decay {where} must be in (0, 1), got {decay}")
         if warmup_power is not None and warmup_power <= 0:
-            raise ValueError(f"EMA: init_args.warmup_power {where} must be > 0 (or null: no warm-up), got {warmup_power}")
+            raise ValueError(
+                f"EMA: init_args.warmup_power {where} must be > 0 (or null: no warm-up), got {warmup_power}"
+            )
         if warmup_gamma <= 0:
             raise ValueError(f"EMA: init_args.warmup_gamma {where} must be > 0, got {warmup_gamma}")
         if update_every_n_steps < 1:

@@ -76,7 +76,9 @@ class EmbeddingHealth(pl.Callback):
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"EmbeddingHealth: init_args.every_n_steps must be >= 1 or null, got {every_n_steps}")
         if not 0 <= collapse_threshold <= 1:
-            raise ValueError(f"EmbeddingHealth: init_args.collapse_threshold must lie in [0, 1], got {collapse_threshold}")
+            raise ValueError(
+                f"EmbeddingHealth: init_args.collapse_threshold must lie in [0, 1], got {collapse_threshold}"
+            )
         if batch_size < 1:
             raise ValueError(f"EmbeddingHealth: init_args.batch_size must be >= 1, got {batch_size}")
         self.data, self.max_samples, self.every_n_steps = data, max_samples, every_n_steps
@@ -116,7 +118,9 @@ class EmbeddingHealth(pl.Callback):
                              f"({self.buffer.skipped} skipped{', captions needed for a CLIP' if tokenizer else ''}); "
                              "the figures need at least 2")
         if self.buffer.skipped and trainer.is_global_zero:
-            rank_zero_warn(f"EmbeddingHealth: {self.buffer.skipped} unreadable samples of {data!r} left out of the buffer")
+            rank_zero_warn(
+                f"EmbeddingHealth: {self.buffer.skipped} unreadable samples of {data!r} left out of the buffer"
+            )
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or (self.every_n_steps is not None and trainer.state.fn == "fit"):

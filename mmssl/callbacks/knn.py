@@ -18,7 +18,14 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from mmssl.evaluation.features import check_feature
 from mmssl.evaluation.knn import knn_scores
-from mmssl.evaluation.online import ProbeSpec, check_labelled_set, default_data, probe_features, should_run, will_evaluate
+from mmssl.evaluation.online import (
+    ProbeSpec,
+    check_labelled_set,
+    default_data,
+    probe_features,
+    should_run,
+    will_evaluate,
+)
 
 
 class KNNProbe(pl.Callback):
@@ -50,7 +57,9 @@ class KNNProbe(pl.Callback):
     ) -> None:
         check_feature(feature)
         if every_n_epochs < 1:
-            raise ValueError(f"KNNProbe: init_args.every_n_epochs (its trainer.callbacks entry) must be >= 1, got {every_n_epochs}")
+            raise ValueError(
+                f"KNNProbe: init_args.every_n_epochs (its trainer.callbacks entry) must be >= 1, got {every_n_epochs}"
+            )
         if k < 1 or temperature <= 0:
             raise ValueError(f"KNNProbe: need k >= 1 and temperature > 0, got k={k}, temperature={temperature}")
         self.train_data, self.val_data, self.feature = train_data, val_data, feature

@@ -18,7 +18,15 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from mmssl.evaluation.features import check_feature
 from mmssl.evaluation.linear import METHODS, score_linear
-from mmssl.evaluation.online import ProbeSpec, check_labelled_set, default_data, probe_features, run_folder, should_run, will_evaluate
+from mmssl.evaluation.online import (
+    ProbeSpec,
+    check_labelled_set,
+    default_data,
+    probe_features,
+    run_folder,
+    should_run,
+    will_evaluate,
+)
 from mmssl.evaluation.plot import plot_layer_accuracy
 
 
@@ -72,7 +80,8 @@ class LinearProbe(pl.Callback):
         if method not in METHODS:
             raise ValueError(f"LinearProbe: method must be one of {METHODS}, got {method!r}")
         if every_n_epochs < 1:
-            raise ValueError(f"LinearProbe: init_args.every_n_epochs (its trainer.callbacks entry) must be >= 1, got {every_n_epochs}")
+            raise ValueError("LinearProbe: init_args.every_n_epochs (its trainer.callbacks entry) must be >= 1, "
+                             f"got {every_n_epochs}")
         self.train_data, self.val_data = train_data, val_data
         self.feature, self.method, self.layers = feature, method, layers
         self.every_n_epochs, self.batch_size, self.num_workers = every_n_epochs, batch_size, num_workers
@@ -133,4 +142,6 @@ class LinearProbe(pl.Callback):
         )
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_image("probe/linear_top1_per_block", image, trainer.global_step, dataformats="HWC")
+                logger.experiment.add_image(
+                    "probe/linear_top1_per_block", image, trainer.global_step, dataformats="HWC"
+                )

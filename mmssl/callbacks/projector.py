@@ -134,7 +134,9 @@ class EmbeddingProjector(pl.Callback):
             return [str(int(label)) for label in labels]
         return [names[int(label)] if 0 <= int(label) < len(names) else str(int(label)) for label in labels]
 
-    def _class_embeddings(self, trainer: pl.Trainer, pl_module: pl.LightningModule, points: FeatureSet) -> Optional[tuple[Tensor, list[str]]]:
+    def _class_embeddings(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, points: FeatureSet
+    ) -> Optional[tuple[Tensor, list[str]]]:
         """(C, D) prompt-ensemble text embeddings and the class names, for a CLIP; else ``None``."""
         if not (hasattr(pl_module, "encode_text") and getattr(pl_module, "tokenizer", None) is not None):
             return None

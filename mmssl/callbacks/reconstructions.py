@@ -34,7 +34,8 @@ class Reconstructions(Callback):
         self, every_n_steps: int = 100, num_images: int = 8, seed: int = 0, zoom: int = 1
     ) -> None:
         if every_n_steps <= 0:
-            raise ValueError(f"Reconstructions: init_args.every_n_steps (its trainer.callbacks entry) must be >= 1, got {every_n_steps}")
+            raise ValueError("Reconstructions: init_args.every_n_steps (its trainer.callbacks entry) must be >= 1, "
+                             f"got {every_n_steps}")
         if zoom < 1:
             raise ValueError(f"Reconstructions: init_args.zoom (its trainer.callbacks entry) must be >= 1, got {zoom}")
         self.zoom = zoom

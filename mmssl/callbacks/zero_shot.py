@@ -49,7 +49,9 @@ class ZeroShot(pl.Callback):
         every_n_epochs: int = 1,
     ) -> None:
         if every_n_epochs < 1:
-            raise ValueError(f"ZeroShot: init_args.every_n_epochs (its trainer.callbacks entry) must be >= 1, got {every_n_epochs}")
+            raise ValueError(
+                f"ZeroShot: init_args.every_n_epochs (its trainer.callbacks entry) must be >= 1, got {every_n_epochs}"
+            )
         self.data, self.classnames, self.templates = data, classnames, templates
         self.batch_size, self.num_workers = batch_size, num_workers
         self.every_n_epochs = every_n_epochs

@@ -124,7 +124,9 @@ def folder_shard_size(url: str) -> int:
     return len(_listing(root)[index * FOLDER_SHARD:(index + 1) * FOLDER_SHARD])
 
 
-def folder_samples(url: str, first: int = 0, on_error: Optional[Callable[[str, Exception], object]] = None) -> Iterator[tuple[int, dict]]:
+def folder_samples(
+    url: str, first: int = 0, on_error: Optional[Callable[[str, Exception], object]] = None
+) -> Iterator[tuple[int, dict]]:
     """``(offset, raw sample)`` of a virtual shard from image ``first`` on.
 
     Offsets are positions in the shard, so an unreadable file (reported to ``on_error(url, exn)``,

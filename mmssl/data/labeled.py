@@ -122,7 +122,9 @@ def shard_urls(data: str) -> list[str]:
     urls = [os.path.join(data, f"{i}.tar") for i in range(int(text))]
     missing = [u for u in urls if not os.path.isfile(u)]
     if missing:
-        raise FileNotFoundError(f"{path} says {text} shards (0.tar .. {int(text) - 1}.tar), but {missing[:3]} are missing")
+        raise FileNotFoundError(
+            f"{path} says {text} shards (0.tar .. {int(text) - 1}.tar), but {missing[:3]} are missing"
+        )
     return urls
 
 
@@ -171,7 +173,9 @@ def read_classnames(data: str, path: Optional[str] = None) -> list[str]:
     elif path is None:
         path, tried = _find_meta(data, CLASSNAMES_FILE)
         if path is None:
-            raise FileNotFoundError(f"labelled set {data!r} has no {CLASSNAMES_FILE} (looked for {' and '.join(map(repr, tried))})")
+            raise FileNotFoundError(
+                f"labelled set {data!r} has no {CLASSNAMES_FILE} (looked for {' and '.join(map(repr, tried))})"
+            )
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"no class-names file at {path!r}")
     try:

@@ -161,7 +161,9 @@ def _shard_samples(url: str, first: int, health: Health) -> Iterator[tuple[int, 
             return
         with stream:
             stream.seek(start[0])
-            samples = group_by_keys(tar_file_expander([{"url": url, "stream": stream}], handler=handler), handler=handler)
+            samples = group_by_keys(
+                tar_file_expander([{"url": url, "stream": stream}], handler=handler), handler=handler
+            )
             head = next(samples, None)
             if head is not None and head["__key__"] == start[1]:
                 yield first, head
@@ -226,13 +228,19 @@ def _check_piece(url: str, piece: Piece, listed: int, got: int, extra: int, fail
                                      f"({failure}): counted as {_samples(missing)}", counted)
     elif missing:
         held = _held_samples(url)
-        health.samples_lost(missing, f"shard {url} holds {held if held is not None else 'fewer'} samples, {_listing(url)} "
-                                     f"{listed}: {got} of the {len(piece)} samples planned from it were read, "
-                                     f"counted as {_samples(missing)}")
+        health.samples_lost(
+            missing,
+            f"shard {url} holds {held if held is not None else 'fewer'} samples, {_listing(url)} "
+            f"{listed}: {got} of the {len(piece)} samples planned from it were read, "
+            f"counted as {_samples(missing)}",
+        )
     if extra:
-        health.samples_lost(extra, f"shard {url} holds {listed + extra} samples, {_listing(url)} {listed}: the exact-epoch "
-                                   f"plan reads the {listed} listed, {extra} not read this epoch are counted as "
-                                   f"{_samples(extra)} (correct the count; tools/inspect_shards.py checks every shard)")
+        health.samples_lost(
+            extra,
+            f"shard {url} holds {listed + extra} samples, {_listing(url)} {listed}: the exact-epoch "
+            f"plan reads the {listed} listed, {extra} not read this epoch are counted as "
+            f"{_samples(extra)} (correct the count; tools/inspect_shards.py checks every shard)",
+        )
 
 
 def _listing(url: str) -> str:

@@ -16,7 +16,7 @@ import os
 import tarfile
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import webdataset as wds
 from PIL import Image
@@ -89,8 +89,10 @@ def prepare_output(folder: str, overwrite: bool = False) -> None:
         return
     if not overwrite:
         raise FileExistsError(
-            f"{folder} already holds shards ({len(tars)} .tar files{', a sizes.json' if os.path.exists(sizes_path) else ''}): "
-            "write to another --output, or pass --overwrite to replace the shards an earlier run wrote there")
+            f"{folder} already holds shards ({len(tars)} .tar files"
+            f"{', a sizes.json' if os.path.exists(sizes_path) else ''}): "
+            "write to another --output, or pass --overwrite to replace the shards an earlier run wrote there"
+        )
     listed = read_sizes_json(sizes_path) if os.path.exists(sizes_path) else {}
     foreign = [t for t in tars if t not in listed]
     if foreign:

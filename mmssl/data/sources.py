@@ -165,8 +165,10 @@ def read_sizes_json(path: str) -> dict[str, int]:
         with open(path, encoding="utf-8") as f:
             sizes = json.load(f)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON (line {err.lineno} column {err.colno}: {err.msg}); it must map "
-                         'shard file names to samples, {"00000.tar": 10000, ...} (tools/make_shards.py writes one)') from None
+        raise ValueError(
+            f"{path} is not valid JSON (line {err.lineno} column {err.colno}: {err.msg}); it must map "
+            'shard file names to samples, {"00000.tar": 10000, ...} (tools/make_shards.py writes one)'
+        ) from None
     except UnicodeDecodeError as err:
         raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     if not isinstance(sizes, dict):

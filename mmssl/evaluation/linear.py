@@ -36,7 +36,9 @@ class Standardize(nn.Module):
 
 def _check(features: Tensor, labels: Tensor, num_classes: int) -> None:
     if features.ndim != 2 or labels.shape != (features.shape[0],):
-        raise ValueError(f"expected features (N, D) and labels (N,), got {tuple(features.shape)}, {tuple(labels.shape)}")
+        raise ValueError(
+            f"expected features (N, D) and labels (N,), got {tuple(features.shape)}, {tuple(labels.shape)}"
+        )
     if features.shape[0] == 0:
         raise ValueError("no training features to fit a probe on (empty labelled train set?)")
     if int(labels.min()) < 0 or int(labels.max()) >= num_classes:

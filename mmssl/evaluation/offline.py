@@ -65,7 +65,9 @@ def linear_probe_report(
     train = extract(model, _loader(model, train_data, batch_size, num_workers), feature, layers, device)
     val = extract(model, _loader(model, val_data, batch_size, num_workers), feature, layers, device)
     if len(train) == 0 or len(val) == 0:
-        raise ValueError(f"empty labelled set: {len(train)} train samples in {train_data!r}, {len(val)} val in {val_data!r}")
+        raise ValueError(
+            f"empty labelled set: {len(train)} train samples in {train_data!r}, {len(val)} val in {val_data!r}"
+        )
     num_classes = num_classes_of(train_data, val_data, train.labels)
     fit = fit_kwargs or {}
     final = score_linear(train, val, 0, num_classes, method, device, **fit)

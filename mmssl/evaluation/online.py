@@ -237,7 +237,9 @@ def probe_features(trainer: pl.Trainer, pl_module: pl.LightningModule, spec: Pro
 
     val_skipped = int(reduce(torch.tensor(val.skipped)))
     num_classes = num_classes_of(spec.train_data, spec.val_data, train.labels)
-    check_labels(train.labels, num_classes, spec.train_data, "probe", lambda t: t, train.index)  # gathered: same everywhere
+    check_labels(
+        train.labels, num_classes, spec.train_data, "probe", lambda t: t, train.index
+    )  # gathered: same everywhere
     check_labels(val.labels, num_classes, spec.val_data, "probe", reduce, val.index)
     result = ProbeFeatures(train, val, num_classes, train.skipped + val_skipped)
     _cache[key + (spec,)] = result

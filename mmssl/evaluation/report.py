@@ -86,11 +86,15 @@ def markdown_table(results: list[Result], averages: list[dict[str, Any]], title:
              "|---|---|---|---|---|---|---|"]
     for r in results:
         metric = MAIN_METRIC[r.task]
-        lines.append(f"| {r.set} | {r.task} | {r.protocol} | {metric} | {_pct(r.metrics()[metric], r.intervals()[metric])} "
-                     f"| {r.num_samples} | {r.skipped} |")
+        lines.append(
+            f"| {r.set} | {r.task} | {r.protocol} | {metric} | {_pct(r.metrics()[metric], r.intervals()[metric])} "
+            f"| {r.num_samples} | {r.skipped} |"
+        )
     lines += ["", "| suite average | protocol | figure | value [95% CI] | sets |", "|---|---|---|---|---|"]
     for a in averages:
-        lines.append(f"| {a['task']} | {a['protocol']} | {a['metric']} | {_pct(a['value'], a['ci95'])} | {len(a['sets'])} |")
+        lines.append(
+            f"| {a['task']} | {a['protocol']} | {a['metric']} | {_pct(a['value'], a['ci95'])} | {len(a['sets'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -134,8 +138,12 @@ def compare(a: list[Result], b: list[Result], resamples: int, seed: int) -> list
 
 def compare_markdown(rows: list[dict[str, Any]], a: str, b: str) -> str:
     """The comparison as a table: A, B, B - A with its interval, and the two-sided p."""
-    lines = [f"### {b} against {a} (paired bootstrap, B - A)", "",
-             "| set | task | protocol | figure | A | B | B - A [95% CI] | p | samples |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### {b} against {a} (paired bootstrap, B - A)",
+        "",
+        "| set | task | protocol | figure | A | B | B - A [95% CI] | p | samples |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(f"| {r['set']} | {r['task']} | {r['protocol']} | {r['metric']} | {_pct(r['a'])} | {_pct(r['b'])} "
                      f"| {_pct(r['difference'], r['ci95'])} | {r['p_value']:.3f} | {r['num_samples']} |")

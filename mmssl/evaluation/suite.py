@@ -144,7 +144,9 @@ def _task(name: Any, options: Any, where: str) -> TaskSpec:
     if name == "linear_probe" and "clip_benchmark" in options:
         fit = options["clip_benchmark"]
         if not isinstance(fit, dict):
-            raise SuiteError(f"{where}.{name}.clip_benchmark: expected a mapping of lr, epochs, batch_size, got {fit!r}")
+            raise SuiteError(
+                f"{where}.{name}.clip_benchmark: expected a mapping of lr, epochs, batch_size, got {fit!r}"
+            )
         _unknown(fit, ("lr", "epochs", "batch_size"), f"{where}.{name}.clip_benchmark")
     if name == "linear_probe" and "val" in options:
         options["val"] = _path(options["val"], f"{where}.{name}.val")

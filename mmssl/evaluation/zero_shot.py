@@ -11,9 +11,9 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from open_clip.zero_shot_classifier import build_zero_shot_classifier as open_clip_zero_shot_classifier
 from torch import Tensor, nn
 from torchmetrics.aggregation import SumMetric
-from open_clip.zero_shot_classifier import build_zero_shot_classifier as open_clip_zero_shot_classifier
 from torchmetrics.classification import MulticlassAccuracy
 
 from mmssl.evaluation.features import frozen_eval

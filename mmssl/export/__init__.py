@@ -6,7 +6,15 @@
 """
 
 from mmssl.export.checkpoint import (
-    EXPORTERS, FILE_SUFFIXES, FOLDER_EXPORTERS, FORMATS, check_format, export_checkpoint, to_open_clip, to_timm)
+    EXPORTERS,
+    FILE_SUFFIXES,
+    FOLDER_EXPORTERS,
+    FORMATS,
+    check_format,
+    export_checkpoint,
+    to_open_clip,
+    to_timm,
+)
 from mmssl.export.paths import EXPORT_FILE_NAMES, check_output
 
 __all__ = ["EXPORTERS", "EXPORT_FILE_NAMES", "FILE_SUFFIXES", "FOLDER_EXPORTERS", "FORMATS", "check_format",

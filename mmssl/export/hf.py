@@ -86,7 +86,8 @@ def check_blocks(blocks: nn.ModuleList, where: str) -> tuple[str, float]:
             raise NotRepresentable(f"{name}: attention without a fused biased q/k/v projection")
         if not (isinstance(block.ls_1, nn.Identity) and isinstance(block.ls_2, nn.Identity)):
             raise NotRepresentable(f"{name}: layer scale (ls_init_value), which CLIPModel lacks")
-        if not isinstance(getattr(block, "ln_attn", nn.Identity()), nn.Identity) or [n for n, _ in block.mlp.named_children()] != ["c_fc", "gelu", "c_proj"]:
+        mlp = [n for n, _ in block.mlp.named_children()]
+        if not isinstance(getattr(block, "ln_attn", nn.Identity()), nn.Identity) or mlp != ["c_fc", "gelu", "c_proj"]:
             raise NotRepresentable(f"{name}: extra norms (scale_attn / scale_fc), which CLIPModel lacks")
         acts.add(_activation(block, name))
         eps |= {block.ln_1.eps, block.ln_2.eps}
@@ -103,16 +104,24 @@ def check_representable(model: nn.Module) -> None:
             f"the image tower is a {type(visual).__name__} (a timm or ResNet tower), not open_clip's "
             "VisionTransformer; export it with --format open_clip_hf (or --format open_clip) instead")
     if visual.attn_pool is not None or visual.pool_type != "tok":
-        raise NotRepresentable(f"image tower pooling {visual.pool_type!r}/attentional pool: CLIPModel pools the class token")
+        raise NotRepresentable(
+            f"image tower pooling {visual.pool_type!r}/attentional pool: CLIPModel pools the class token"
+        )
     if isinstance(visual.ln_pre, nn.Identity) or visual.conv1.bias is not None:
-        raise NotRepresentable("image tower without ln_pre or with a patch-embedding bias (CLIPModel has a pre-norm, no bias)")
+        raise NotRepresentable(
+            "image tower without ln_pre or with a patch-embedding bias (CLIPModel has a pre-norm, no bias)"
+        )
     size = visual.image_size if isinstance(visual.image_size, (tuple, list)) else (visual.image_size,) * 2
     if size[0] != size[1] or visual.proj is None or not isinstance(visual.proj, nn.Parameter):
         raise NotRepresentable(f"non-square images {size} or an image projection that is not a plain matrix")
     check_blocks(visual.transformer.resblocks, "image tower")
     text = _text_tower(model)
     pool = getattr(text, "text_pool_type", getattr(text, "pool_type", None))
-    if getattr(text, "attn_mask", None) is None or pool not in ("argmax", "eos") or getattr(text, "cls_emb", None) is not None:
+    if (
+        getattr(text, "attn_mask", None) is None
+        or pool not in ("argmax", "eos")
+        or getattr(text, "cls_emb", None) is not None
+    ):
         raise NotRepresentable(f"text tower without the causal mask, with a class token or pooled by {pool!r}: "
                                "CLIPTextModel is causal and pools the end-of-text token")
     projection = text.text_projection
@@ -138,7 +147,12 @@ def _blocks(blocks: nn.ModuleList, prefix: str) -> StateDict:
             p + "self_attn.out_proj.weight": block.attn.out_proj.weight,
             p + "self_attn.out_proj.bias": block.attn.out_proj.bias,
         })
-        for ours, theirs in (("ln_1", "layer_norm1"), ("ln_2", "layer_norm2"), ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2")):
+        for ours, theirs in (
+            ("ln_1", "layer_norm1"),
+            ("ln_2", "layer_norm2"),
+            ("mlp.c_fc", "mlp.fc1"),
+            ("mlp.c_proj", "mlp.fc2"),
+        ):
             module = block.get_submodule(ours)
             out[p + theirs + ".weight"], out[p + theirs + ".bias"] = module.weight, module.bias
     return out
@@ -184,19 +198,32 @@ def hf_config(model: nn.Module) -> dict[str, Any]:
         "projection_dim": embed_dim,
         "logit_scale_init_value": float(model.logit_scale.detach().reshape(-1)[0]),
         "vision_config": {
-            "hidden_size": visual.conv1.out_channels, "intermediate_size": v_block.mlp.c_fc.out_features,
-            "num_hidden_layers": len(visual.transformer.resblocks), "num_attention_heads": v_block.attn.num_heads,
-            "image_size": int(size[0]), "patch_size": visual.conv1.kernel_size[0], "num_channels": 3,
-            "hidden_act": v_act, "layer_norm_eps": v_eps, "projection_dim": embed_dim,
+            "hidden_size": visual.conv1.out_channels,
+            "intermediate_size": v_block.mlp.c_fc.out_features,
+            "num_hidden_layers": len(visual.transformer.resblocks),
+            "num_attention_heads": v_block.attn.num_heads,
+            "image_size": int(size[0]),
+            "patch_size": visual.conv1.kernel_size[0],
+            "num_channels": 3,
+            "hidden_act": v_act,
+            "layer_norm_eps": v_eps,
+            "projection_dim": embed_dim,
         },
         "text_config": {
-            "vocab_size": text.token_embedding.num_embeddings, "hidden_size": text.token_embedding.embedding_dim,
-            "intermediate_size": t_block.mlp.c_fc.out_features, "num_hidden_layers": len(text.transformer.resblocks),
-            "num_attention_heads": t_block.attn.num_heads, "max_position_embeddings": text.positional_embedding.shape[0],
-            "hidden_act": t_act, "layer_norm_eps": t_eps, "projection_dim": embed_dim,
+            "vocab_size": text.token_embedding.num_embeddings,
+            "hidden_size": text.token_embedding.embedding_dim,
+            "intermediate_size": t_block.mlp.c_fc.out_features,
+            "num_hidden_layers": len(text.transformer.resblocks),
+            "num_attention_heads": t_block.attn.num_heads,
+            "max_position_embeddings": text.positional_embedding.shape[0],
+            "hidden_act": t_act,
+            "layer_norm_eps": t_eps,
+            "projection_dim": embed_dim,
             # Pool at the first end-of-text token (transformers >= 4.31 with eos_token_id != 2),
             # which is open_clip's argmax pooling: <end_of_text> has the highest id.
-            "bos_token_id": 49406, "eos_token_id": 49407, "pad_token_id": 49407,
+            "bos_token_id": 49406,
+            "eos_token_id": 49407,
+            "pad_token_id": 49407,
         },
     }
     if getattr(model, "logit_bias", None) is not None:

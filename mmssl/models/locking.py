@@ -83,7 +83,9 @@ def check_lock_options(model: nn.Module, options: LockOptions) -> None:
     if options.text_unlocked_layers:
         groups = text_groups(model)
         if not groups:
-            raise ValueError(f"model.lock_text_unlocked_layers: the text tower {type(text).__name__} has no layer groups")
+            raise ValueError(
+                f"model.lock_text_unlocked_layers: the text tower {type(text).__name__} has no layer groups"
+            )
         if options.text_unlocked_layers > groups:
             raise ValueError(f"model.lock_text_unlocked_layers: {options.text_unlocked_layers} > the {groups} "
                              f"layers of the text tower {type(text).__name__}")

@@ -82,7 +82,9 @@ def parse_lora(config: Mapping[str, Any], towers: Sequence[str]) -> LoraSpec:
     unknown = sorted(set(config) - set(LORA_KEYS))
     if unknown:
         raise ValueError(f"model.lora: unknown keys {unknown}; the keys are {list(LORA_KEYS)}")
-    as_tuple = (lambda v: None if v is None else ((v,) if isinstance(v, str) else tuple(v)))
+    def as_tuple(v: Any) -> Optional[tuple]:
+        return None if v is None else ((v,) if isinstance(v, str) else tuple(v))
+
     spec = LoraSpec(r=int(config.get("r", 8)), alpha=float(config.get("alpha", config.get("r", 8))),
                     dropout=float(config.get("dropout", 0.0)), target_modules=as_tuple(config.get("target_modules")),
                     towers=as_tuple(config.get("towers")), trainable=as_tuple(config.get("trainable")))
@@ -148,8 +150,10 @@ def resolve_targets(model: nn.Module, spec: LoraSpec, towers: Mapping[str, Tower
                 found = hits(tower, pattern)
                 if not found:
                     inside = [n for n in candidates if n.startswith(tower.prefix)]
-                    raise ValueError(f"model.lora: the default target {pattern!r} matches no layer under "
-                                     f"{tower.prefix!r}; set model.lora.target_modules, candidates: {_suffixes(inside)}")
+                    raise ValueError(
+                        f"model.lora: the default target {pattern!r} matches no layer under "
+                        f"{tower.prefix!r}; set model.lora.target_modules, candidates: {_suffixes(inside)}"
+                    )
                 targets += found
     else:
         for pattern in spec.target_modules:  # each adapts something in one of the chosen towers

@@ -89,7 +89,9 @@ def set_clip_grad_checkpointing(model: nn.Module) -> None:
     """
     visual = model.visual
     trunk = getattr(visual, "trunk", None)
-    if type(visual).__name__ == "ModifiedResNet" or (trunk is not None and not hasattr(trunk, "set_grad_checkpointing")):
+    if type(visual).__name__ == "ModifiedResNet" or (
+        trunk is not None and not hasattr(trunk, "set_grad_checkpointing")
+    ):
         raise ValueError(f"model.grad_checkpointing: the image tower {type(trunk or visual).__name__} has no "
                          "activation checkpointing")
     if trunk is not None:
@@ -97,7 +99,9 @@ def set_clip_grad_checkpointing(model: nn.Module) -> None:
     model.set_grad_checkpointing(True)
 
 
-def apply_memory_options(model: nn.Module, grad_checkpointing: bool, compile: Union[bool, dict[str, Any], None]) -> None:
+def apply_memory_options(
+    model: nn.Module, grad_checkpointing: bool, compile: Union[bool, dict[str, Any], None]
+) -> None:
     """The ``model.grad_checkpointing`` and ``model.compile`` keys of an open_clip ``CLIP``: both
     towers checkpointed (:func:`set_clip_grad_checkpointing`), their blocks compiled."""
     if grad_checkpointing:

@@ -90,7 +90,9 @@ def read_run(run_dir: str, metric: str = "val/loss") -> RunCurve:
     return RunCurve(run_dir, float(flops), steps, np.array([by_step[int(s)] for s in steps]))
 
 
-def pool_points(points: Sequence[tuple[float, float]], rel_tol: float = 1e-6) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def pool_points(
+    points: Sequence[tuple[float, float]], rel_tol: float = 1e-6
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Pool runs of the same compute (seeds of one setting) into a mean and its spread.
 
     Returns:

@@ -169,7 +169,9 @@ def test_a_restored_guard_counts_on_from_the_checkpoint():
     guard = NonFiniteGuard(max_consecutive=3)
     guard.load_state_dict({"skipped": 4, "consecutive": 2})
     assert guard.state_dict() == {"skipped": 4, "consecutive": 2}
-    with pytest.raises(RuntimeError, match=r"NaN/inf for 3 steps in a row \(the limit is 3; step 0, 5 skipped in all\)") as stop:
+    with pytest.raises(
+        RuntimeError, match=r"NaN/inf for 3 steps in a row \(the limit is 3; step 0, 5 skipped in all\)"
+    ) as stop:
         _trainer(guard, 4).fit(_Poisoned({0}))
     assert str(stop.value).endswith(". Lower the learning rate, raise warm-up, or check the data; the last good "
                                     "checkpoint is untouched.")
@@ -184,7 +186,9 @@ def test_a_limit_of_one_lets_a_clean_run_finish():
 
 def test_the_fused_path_stops_at_the_end_of_training_when_no_check_came_after_the_run():
     guard = NonFiniteGuard(max_consecutive=2, check_every_n_steps=100)
-    with pytest.raises(RuntimeError, match=r"NaN/inf for 2 steps in a row \(the limit is 2; step 4, 2 skipped in all\)"):
+    with pytest.raises(
+        RuntimeError, match=r"NaN/inf for 2 steps in a row \(the limit is 2; step 4, 2 skipped in all\)"
+    ):
         _trainer(guard, 4).fit(_Poisoned({2, 3}, fused=True))
 
 

@@ -12,11 +12,11 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader
-from tests.data.shard_helpers import image_bytes, write_shards_with_bad, write_tar
 
 from mmssl.callbacks import EmbeddingHealth
 from mmssl.data.heldout import read_heldout
 from mmssl.data.transforms import eval_transform
+from tests.data.shard_helpers import image_bytes, write_shards_with_bad, write_tar
 
 
 def index_tokenizer(texts: list[str]) -> torch.Tensor:

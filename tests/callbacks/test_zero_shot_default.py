@@ -37,7 +37,9 @@ def unlabelled(tmp_path, tiny_demo) -> str:
 
 def test_zero_shot_scores_a_labelled_val_data(tmp_path, tiny_demo, tiny_clip_json):
     # Own training shards (not demo mode): the labelled set is the user's --data.val_data.
-    cli = _fit(tmp_path, tiny_clip_json, f"--data.train_data={tiny_demo.train}", f"--data.val_data={tiny_demo.eval_dir}")
+    cli = _fit(
+        tmp_path, tiny_clip_json, f"--data.train_data={tiny_demo.train}", f"--data.val_data={tiny_demo.eval_dir}"
+    )
     metrics = cli.trainer.callback_metrics
     assert 0.0 <= float(metrics["val/zero_shot_top1"]) <= float(metrics["val/zero_shot_top5"]) <= 1.0
 

@@ -35,7 +35,9 @@ def sample_members(index: int, label: Optional[int] = None) -> list[tuple[str, b
             (f"{key}.cls", str(label).encode())]
 
 
-def write_dataset(folder: Path, shard_sizes: list[int], sizes_json: bool = True, label: Optional[int] = None) -> list[int]:
+def write_dataset(
+    folder: Path, shard_sizes: list[int], sizes_json: bool = True, label: Optional[int] = None
+) -> list[int]:
     """Shards of good samples numbered across shards; returns every sample index."""
     folder.mkdir(parents=True, exist_ok=True)
     index, sizes = 0, {}

@@ -57,7 +57,12 @@ def test_the_draft_side_keeps_a_full_resolution_crop():
 
 def test_a_decoder_with_defaults_reads_img2dataset_keys():
     decoder = SampleDecoder(_to_tensor, _tokens)
-    raw = {"__key__": "k", "jpg": _encoded(Image.new("RGB", (6, 6), (1, 2, 3)), "JPEG"), "txt": b" a cat \n", "cls": b"3"}
+    raw = {
+        "__key__": "k",
+        "jpg": _encoded(Image.new("RGB", (6, 6), (1, 2, 3)), "JPEG"),
+        "txt": b" a cat \n",
+        "cls": b"3",
+    }
     out = decoder(raw)
     assert (out["text"], out["label"], tuple(out["image"].shape)) == ("a cat", 3, (3, 6, 6))
     assert decoder.output_keys(raw) == {"image", "text", "label"}
@@ -71,7 +76,9 @@ def test_the_decoder_hands_its_limits_to_the_image_decode():
     big = _encoded(Image.new("RGB", (64, 48), (9, 9, 9)), "JPEG")
     reduced = SampleDecoder(lambda im: im, None, min_size=16)({"jpg": big})["image"]
     assert reduced.size == (32, 24) and reduced.info[REDUCED_FROM] == (64, 48, 2.0)  # both sides stay >= 16
-    with pytest.raises(BadSample, match=r"^jpg: 64x48 image \(3072 pixels\) is above max_image_pixels=3000: not decoded$"):
+    with pytest.raises(
+        BadSample, match=r"^jpg: 64x48 image \(3072 pixels\) is above max_image_pixels=3000: not decoded$"
+    ):
         SampleDecoder(lambda im: im, None, max_pixels=3000)({"jpg": big})
     with pytest.raises(BadSample, match=r"^unreadable png \(UnidentifiedImageError: cannot identify image file"):
         SampleDecoder(lambda im: im, None)({"png": b"not an image"})

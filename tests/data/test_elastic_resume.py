@@ -14,9 +14,9 @@ from PIL import Image
 from shard_helpers import count_tokenizer, write_dataset, write_tar
 
 from mmssl.checkpoints import read_checkpoint
+from mmssl.data.datamodule import ImageTextDataModule
 from mmssl.data.pipeline import worker_batches
 from mmssl.data.state import StreamPosition
-from mmssl.data.datamodule import ImageTextDataModule
 
 SIZES = [9, 7, 8, 6, 10, 5, 7, 8, 4]  # 64 samples
 
@@ -254,7 +254,9 @@ def test_an_elastic_resume_through_the_trainer_finishes_the_epoch_then_runs_whol
     assert len(first.seen[0]) == 20 and len(resumed.seen[0]) == 42  # 44 remained: 14 batches, 2 left out
     assert len(set(epoch0)) == len(epoch0) == 62  # the rest of epoch 0, once
     for epoch in (1, 2):  # then whole epochs of 21 batches (the trainer reloaded the loader's length)
-        assert len(resumed.seen[epoch]) == len(set(resumed.seen[epoch])) == 63 and set(resumed.seen[epoch]) <= set(every)
+        assert len(resumed.seen[epoch]) == len(set(resumed.seen[epoch])) == 63 and set(resumed.seen[epoch]) <= set(
+            every
+        )
     assert trainer.global_step == 5 + 14 + 21 + 21
 
 
@@ -302,7 +304,9 @@ def test_a_resume_in_a_later_epoch_continues_it_though_the_trainer_opens_the_loa
     pl.Trainer(max_epochs=3, **common).fit(whole, datamodule=_module(data, 2, batch_size=4))
     first, resumed = _Recorder(), _Recorder()
     save = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=21, save_last=True)  # step 5 of epoch 1
-    pl.Trainer(max_steps=21, max_epochs=3, callbacks=[save], **common).fit(first, datamodule=_module(data, 2, batch_size=4))
+    pl.Trainer(max_steps=21, max_epochs=3, callbacks=[save], **common).fit(
+        first, datamodule=_module(data, 2, batch_size=4)
+    )
     pl.Trainer(max_epochs=3, **common).fit(resumed, datamodule=_module(data, 2, batch_size=4),
                                            ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert first.seen[1] + resumed.seen[1] == whole.seen[1] and resumed.seen[2] == whole.seen[2]

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from PIL import Image
 from shard_helpers import count_tokenizer, image_bytes
-from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl
 
 from mmssl.cli import cli_main
 from mmssl.data import folders
+from mmssl.data.datamodule import ImageTextDataModule
 from mmssl.data.pipeline import worker_batches
 from mmssl.data.reading import Health, read_pieces
-from mmssl.data.datamodule import ImageTextDataModule
+from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl
 
 CLASSES = ("red_fox", "cat", "dog")
 

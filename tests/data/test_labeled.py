@@ -86,7 +86,11 @@ def test_a_set_mmssl_writes_reads_back_through_clip_benchmark_rules(tmp_path):
                   sample_members(s, label=s % 3))
     names, prompts = ["red thing", "green thing", "blue thing"], ["a {c}.", "a photo of a {c}."]
     assert write_clip_benchmark_files(str(tmp_path), "test", names, prompts) == 12
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["classnames.txt", "test", "zeroshot_classification_templates.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "classnames.txt",
+        "test",
+        "zeroshot_classification_templates.txt",
+    ]
     labels, classes, templates = _clip_benchmark_read(tmp_path)
     assert labels == [s % 3 for s in range(12)] and classes == names and templates == prompts
     # mmssl reads the split folder and the root (its test split) the same way, in the same order.

@@ -10,8 +10,8 @@ from image_helpers import DecodeSpy, huge_png, jpeg_claiming
 from PIL import Image
 from shard_helpers import count_tokenizer, sample_members, write_tar
 
-from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadSample, open_image, parse_label
 from mmssl.data.datamodule import ImageTextDataModule
+from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadSample, open_image, parse_label
 
 OVERFLOW = "99999999999999999999999"
 
@@ -106,23 +106,34 @@ def test_huge_images_are_bad_samples_measured_from_the_header_never_decoded(tmp_
 def test_a_classifier_fine_tune_skips_labels_beyond_its_classes_naming_them(tmp_path, caplog):
     """``mmssl fit`` links the classifier's ``num_classes`` to the data: a label beyond it is a bad
     sample named with its shard and key. Before: the loss's one-hot raised mid-run, naming neither."""
-    from tests.cli_runs import REPO
-
     from mmssl.cli import cli_main
+    from tests.cli_runs import REPO
 
     for s in range(2):
         write_tar(tmp_path / f"{s:05d}.tar",
                   [m for i in range(8 * s, 8 * s + 8) for m in sample_members(i, label=4 if i == 9 else i % 4)])
     with caplog.at_level(logging.WARNING, logger="mmssl.data"):
-        cli = cli_main([
-            "fit", "--config", str(REPO / "configs/finetune/demo.yaml"),
-            "--model.init_args.num_classes=4", "--model.init_args.image_size=16",
-            '--model.init_args.model_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 2}',
-            f"--data.init_args.train_data={tmp_path}", f"--data.init_args.val_data={tmp_path}/00001.tar",
-            "--data.init_args.batch_size=4", "--data.init_args.num_workers=0", "--data.init_args.max_bad_fraction=0.5",
-            "--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--trainer.num_sanity_val_steps=0",
-            "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path / 'runs'}",
-        ])
+        cli = cli_main(
+            [
+                "fit",
+                "--config",
+                str(REPO / "configs/finetune/demo.yaml"),
+                "--model.init_args.num_classes=4",
+                "--model.init_args.image_size=16",
+                '--model.init_args.model_kwargs={"patch_size": 4, "embed_dim": 16, "depth": 1, "num_heads": 2}',
+                f"--data.init_args.train_data={tmp_path}",
+                f"--data.init_args.val_data={tmp_path}/00001.tar",
+                "--data.init_args.batch_size=4",
+                "--data.init_args.num_workers=0",
+                "--data.init_args.max_bad_fraction=0.5",
+                "--trainer.max_steps=3",
+                "--trainer.limit_val_batches=1",
+                "--trainer.num_sanity_val_steps=0",
+                "--trainer.callbacks=[]",
+                "--trainer.enable_progress_bar=false",
+                f"--trainer.default_root_dir={tmp_path / 'runs'}",
+            ]
+        )
     assert cli.datamodule.num_classes == cli.model.num_classes == 4 and cli.trainer.global_step == 3
     assert any("'s00009'" in r.getMessage() and "00001.tar" in r.getMessage()
                and "'cls' 4 is out of range for num_classes=4" in r.getMessage() for r in caplog.records)

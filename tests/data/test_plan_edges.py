@@ -11,7 +11,16 @@ from __future__ import annotations
 import pytest
 
 from mmssl.data.plan import (
-    EpochPlan, Piece, ReservoirDraws, Topology, describe, epoch_base, fresh_base, overlap, remaining, split_base,
+    EpochPlan,
+    Piece,
+    ReservoirDraws,
+    Topology,
+    describe,
+    epoch_base,
+    fresh_base,
+    overlap,
+    remaining,
+    split_base,
 )
 
 

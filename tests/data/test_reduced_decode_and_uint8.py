@@ -11,9 +11,9 @@ from PIL import Image
 from scipy import stats
 from torchvision import transforms as T
 
+from mmssl.data.datamodule import ImageTextDataModule
 from mmssl.data.decode import REDUCED_FROM, draft_size, open_image
 from mmssl.data.transforms import RandomResizedCropFlip, to_uint8_tensor
-from mmssl.data.datamodule import ImageTextDataModule
 from tests.data.shard_helpers import count_tokenizer
 
 

@@ -8,9 +8,9 @@ from collections import Counter
 
 from shard_helpers import count_tokenizer, write_dataset
 
+from mmssl.data.datamodule import ImageTextDataModule
 from mmssl.data.pipeline import worker_batches
 from mmssl.data.plan import Piece, Topology, describe, fresh_base, overlap, remaining, split_base
-from mmssl.data.datamodule import ImageTextDataModule
 
 
 def test_imagenet_layout_on_640_slots_has_no_duplicates_and_equal_ranks():
@@ -102,7 +102,11 @@ def test_a_range_inside_a_local_shard_is_entered_by_seeking_to_the_same_samples(
     members = [("__meta__", b"x"), ("dir/", None)]
     members += [(f"{'long_' * 30 if i == 4 else ''}s{i:03d}.{ext}", f"{i}{ext}".encode()) for i in range(8)
                 for ext in ("jpg", "txt")]
-    for fmt, name in ((tarfile.GNU_FORMAT, "gnu.tar"), (tarfile.PAX_FORMAT, "pax.tar"), (tarfile.USTAR_FORMAT, "ustar.tar")):
+    for fmt, name in (
+        (tarfile.GNU_FORMAT, "gnu.tar"),
+        (tarfile.PAX_FORMAT, "pax.tar"),
+        (tarfile.USTAR_FORMAT, "ustar.tar"),
+    ):
         path = tmp_path / name
         with tarfile.open(path, "w", format=fmt) as tar:
             for member, data in members:
@@ -120,7 +124,9 @@ def test_a_range_inside_a_local_shard_is_entered_by_seeking_to_the_same_samples(
         for first in (1, 4, 7):
             assert _sample_start(str(path), first)[0] > 0  # entered by seeking, not read from the start
             got = list(_shard_samples(str(path), first, Health(1.0)))
-            assert [(o, s["__key__"], s["jpg"]) for o, s in got] == [(o, s["__key__"], s["jpg"]) for o, s in every[first:]]
+            assert [(o, s["__key__"], s["jpg"]) for o, s in got] == [
+                (o, s["__key__"], s["jpg"]) for o, s in every[first:]
+            ]
         # A pipe: URL cannot seek: read from the start, the same samples come out.
         piped = list(_shard_samples(f"pipe:cat {path}", 5, Health(1.0)))
         assert [o for o, _ in piped] == [5, 6, 7]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from mmssl.data import state
 from mmssl.data.pipeline import EpochRun, ShardStream, StreamSpec, plan_stream
 from mmssl.data.plan import Generation, Topology
-from mmssl.data import state
 from mmssl.data.state import EpochLoader, StreamPosition
 
 SIZES = (9, 7, 8, 6, 10, 5, 7, 8, 4)  # 64 samples
@@ -135,11 +135,11 @@ def test_a_position_continues_only_on_the_topology_it_was_saved_on():
 def test_a_restarted_position_reads_the_trainers_epoch_from_its_beginning():
     old = {k: SAVED[k] for k in ("epoch", "batches", "raw", "skipped")}  # an older mmssl's: no topology
     one_rank = plan_stream((), 3, 0, 1, 2, resampled=True, num_samples=60, shuffle_buffer=5)
-    for state, spec in ((old, _spec()), ({**SAVED, "epoch": 2}, one_rank)):  # resampled, saved on 2 ranks
+    for saved, spec in ((old, _spec()), ({**SAVED, "epoch": 2}, one_rank)):  # resampled, saved on 2 ranks
         with pytest.warns(UserWarning, match="restarts epoch"):
-            position = _loaded(state, spec)
+            position = _loaded(saved, spec)
         assert position.state_dict() == {**StreamPosition().state_dict(), "skipped": 1,
-                                         "samples": state.get("samples")}
+                                         "samples": saved.get("samples")}
         assert position.start(0, spec) == EpochRun(0, spec.plan(0) if spec.exact else None)
 
 
@@ -240,7 +240,9 @@ def test_a_position_saved_without_the_later_keys_loads_with_their_defaults():
     for rank in range(2):
         position = _loaded({k: v for k, v in SAVED.items() if k not in ("offset", "samples", "history")}, _spec(rank))
         assert (position.offset, position.samples, position.history) == (0, None, [])
-        assert position.raw == SAVED["raw"][rank] and position.start(0, _spec(rank)).resume[1][1] == SAVED["raw"][rank][1]
+        assert (
+            position.raw == SAVED["raw"][rank] and position.start(0, _spec(rank)).resume[1][1] == SAVED["raw"][rank][1]
+        )
     elastic = _loaded({k: v for k, v in SAVED.items() if k != "offset"}, _spec(world=1))
     assert elastic.offset == 3
 

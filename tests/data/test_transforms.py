@@ -11,7 +11,14 @@ from PIL import Image
 from torchvision import transforms as T
 from torchvision.transforms import functional as TF
 
-from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD, BatchNormalize, RandomResizedCropFlip, to_uint8_tensor, train_transform
+from mmssl.data.transforms import (
+    OPENAI_MEAN,
+    OPENAI_STD,
+    BatchNormalize,
+    RandomResizedCropFlip,
+    to_uint8_tensor,
+    train_transform,
+)
 
 
 def _photo(width: int = 40, height: int = 30, seed: int = 0) -> Image.Image:

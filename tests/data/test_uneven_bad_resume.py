@@ -4,7 +4,6 @@ samples the uninterrupted run would have trained."""
 
 from __future__ import annotations
 
-
 import torch
 from shard_helpers import write_shards_with_bad
 from test_elastic_resume import _checkpoint, _labels, _module, _rank_batches

@@ -10,9 +10,9 @@ import torch
 from PIL import Image
 from shard_helpers import count_tokenizer, write_dataset
 
+from mmssl.data.datamodule import ImageTextDataModule
 from mmssl.data.decode import open_image
 from mmssl.data.pipeline import worker_batches
-from mmssl.data.datamodule import ImageTextDataModule
 
 
 def _module(data, **kwargs) -> ImageTextDataModule:

@@ -8,8 +8,8 @@ import pytest
 import torch
 from shard_helpers import count_tokenizer, image_bytes, sample_members, write_dataset, write_tar
 
-from mmssl.data.pipeline import worker_batches
 from mmssl.data.datamodule import ImageTextDataModule
+from mmssl.data.pipeline import worker_batches
 
 
 def _module(**kwargs) -> ImageTextDataModule:

@@ -29,8 +29,14 @@ def _same(ours: torch.nn.Module, theirs: torch.nn.Module, text: bool = True) -> 
         torch.testing.assert_close(theirs.encode_image(images), ours.encode_image(images), rtol=0, atol=1e-4)
         if text:
             tokens_ours, tokens_theirs = ours.tokenizer(["a red circle"]), theirs.tokenizer(["a red circle"])
-            torch.testing.assert_close(theirs.encode_text(tokens_theirs), ours.encode_text(tokens_ours), rtol=0, atol=1e-4)
-    assert (theirs.image_size, theirs.image_mean, theirs.image_std) == (ours.image_size, ours.image_mean, ours.image_std)
+            torch.testing.assert_close(
+                theirs.encode_text(tokens_theirs), ours.encode_text(tokens_ours), rtol=0, atol=1e-4
+            )
+    assert (theirs.image_size, theirs.image_mean, theirs.image_std) == (
+        ours.image_size,
+        ours.image_mean,
+        ours.image_std,
+    )
 
 
 def test_open_clip_hub_folder(clip, tmp_path):

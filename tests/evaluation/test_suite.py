@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 def _labelled(folder: Path, n: int, classes: int = 4, bad: int = 0, classnames: bool = True) -> str:
     """A clip_benchmark split of n samples (label i % classes) in 2 shards, ``bad`` broken JPEGs first."""
     folder.mkdir(parents=True)
-    members = [m for b in range(bad) for m in ((f"bad{b}.jpg", b"not a jpeg"), (f"bad{b}.txt", b"x"), (f"bad{b}.cls", b"0"))]
+    members = [
+        m for b in range(bad) for m in ((f"bad{b}.jpg", b"not a jpeg"), (f"bad{b}.txt", b"x"), (f"bad{b}.cls", b"0"))
+    ]
     members += [m for i in range(n // 2) for m in sample_members(i, i % classes)]
     write_tar(folder / "0.tar", members)
     write_tar(folder / "1.tar", [m for i in range(n // 2, n) for m in sample_members(i, i % classes)])
@@ -53,8 +55,15 @@ def test_a_bad_suite_is_refused_naming_the_entry(sets, tmp_path):
     refused({"test": sets["test"], "tasks": ["knn"]}, "sets.a.tasks.knn", "train")
     refused({"test": sets["test"], "train": sets["train"], "tasks": {"knn": {"protocols": ["faiss"]}}}, "'faiss'")
     refused({"test": sets["test"], "tasks": {"retrieval": {"recall": [1]}}}, "sets.a.tasks.retrieval", "'recall'")
-    refused({"test": sets["test"], "train": sets["train"], "tasks": {"linear_probe": {"clip_benchmark": {"lr": 0.1, "wd": 1}}}},
-            "sets.a.tasks.linear_probe.clip_benchmark", "'wd'")
+    refused(
+        {
+            "test": sets["test"],
+            "train": sets["train"],
+            "tasks": {"linear_probe": {"clip_benchmark": {"lr": 0.1, "wd": 1}}},
+        },
+        "sets.a.tasks.linear_probe.clip_benchmark",
+        "'wd'",
+    )
     (tmp_path / "s.yaml").write_text("sets: [")
     with pytest.raises(SuiteError, match="not YAML"):
         load_suite(str(tmp_path / "s.yaml"))
@@ -172,7 +181,10 @@ def test_evaluate_writes_clip_benchmark_json_csv_and_table_encoding_each_image_o
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert len(rows) == 2 + 2 * 2 + 2 * 2 + 5 and rows[0]["skipped"] == "2"  # 4 classes: no acc5
     summary = json.loads((out / "summary.json").read_text())
-    assert len(summary["suite_average"]) == 6 and "| shapes | zero_shot | clip | acc1 |" in (out / "results.md").read_text()
+    assert (
+        len(summary["suite_average"]) == 6
+        and "| shapes | zero_shot | clip | acc1 |" in (out / "results.md").read_text()
+    )
     assert main(argv) == 1  # an earlier run's results are not overwritten without --overwrite
 
 
@@ -223,8 +235,12 @@ def test_the_side_by_side_benchmark_scores_both_probes_against_clip_benchmarks(s
     for task, key, value in (("zeroshot", "acc1", 0.5), ("retrieval", "image_retrieval_recall@1", 0.25),
                              ("linear_probe", "lp_acc1", 0.195)):
         (cb / f"toy_{task}.json").write_text(json.dumps({"metrics": {key: value}}))
-    for stem, key, value in (("zero_shot_clip", "acc1", 0.5), ("retrieval_clip", "image_retrieval_recall@1", 0.25),
-                             ("linear_probe_clip_benchmark", "lp_acc1", 0.193), ("linear_probe_clip", "lp_acc1", 0.404)):
+    for stem, key, value in (
+        ("zero_shot_clip", "acc1", 0.5),
+        ("retrieval_clip", "image_retrieval_recall@1", 0.25),
+        ("linear_probe_clip_benchmark", "lp_acc1", 0.193),
+        ("linear_probe_clip", "lp_acc1", 0.404),
+    ):
         (ours / f"toy_{stem}.json").write_text(json.dumps({"metrics": {key: value}, "ci95": {key: [0, 1]}}))
     rows = {(r["task"], r["protocol"]): r["points"] for r in bench["compare_figures"](cb, ours, ["toy"])}
     assert rows == {("zeroshot", "clip"): 0, ("retrieval", "clip"): 0, ("linear_probe", "clip_benchmark"): -0.2,

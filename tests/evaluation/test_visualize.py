@@ -7,12 +7,16 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mmssl.models.clip import CLIP
 from mmssl.models.mae import MAE
 from mmssl.visualize.attention import (
-    attention_maps, attention_rollout, attention_weights, cls_patch_map, record_attention, vision_tower,
+    attention_maps,
+    attention_rollout,
+    attention_weights,
+    cls_patch_map,
+    record_attention,
+    vision_tower,
 )
 from mmssl.visualize.scaling import fit_power_law, pool_points, power_law, read_run
 from mmssl.visualize.similarity import patch_embeddings, self_attention_only, similarity_maps

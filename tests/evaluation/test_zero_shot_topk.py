@@ -81,6 +81,11 @@ def test_prompt_ensembling_averages_each_prompts_unit_embedding():
 
     classifier = build_zero_shot_classifier(lambda t: t, tokenizer, ["cat", "dog"], list(vectors), torch.device("cpu"))
     unit = torch.nn.functional.normalize
-    expected = torch.stack([unit(unit(torch.tensor([10.0, 0, o]), dim=0) + unit(torch.tensor([0, 1.0, o]), dim=0), dim=0)
-                            for o in offsets.values()], dim=1)  # (D, C)
+    expected = torch.stack(
+        [
+            unit(unit(torch.tensor([10.0, 0, o]), dim=0) + unit(torch.tensor([0, 1.0, o]), dim=0), dim=0)
+            for o in offsets.values()
+        ],
+        dim=1,
+    )  # (D, C)
     torch.testing.assert_close(classifier, expected)

@@ -51,7 +51,9 @@ def test_lit_mae_config_trains_the_text_tower_on_the_mae_run_checkpoint(fashion_
           "--data.init_args.num_workers=0", "--trainer.max_steps=1", "--trainer.enable_progress_bar=false",
           "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1", "--trainer.default_root_dir=runs/lit"])
     lit = torch.load(fashion_cwd / "runs/lit/version_0/checkpoints/last.ckpt", weights_only=True)
-    trunk = {k[len("model.visual.trunk."):]: v for k, v in lit["state_dict"].items() if k.startswith("model.visual.trunk.")}
+    trunk = {
+        k[len("model.visual.trunk.") :]: v for k, v in lit["state_dict"].items() if k.startswith("model.visual.trunk.")
+    }
     assert trunk and all(torch.equal(v, mae.state_dict()["encoder." + k]) for k, v in trunk.items())  # locked
     assert lit["hyper_parameters"]["image_mean"] == [0.485, 0.456, 0.406]
     logged = open(fashion_cwd / "runs/lit/version_0/metrics.csv").readline()

@@ -13,10 +13,10 @@ import torch
 from PIL import Image
 
 from mmssl.checkpoints import read_state_dict
+from mmssl.checkpoints.layouts import classifier_to_timm
 from mmssl.data.transforms import timm_train_transform
 from mmssl.export import export_checkpoint
 from mmssl.models import ImageClassifier
-from mmssl.checkpoints.layouts import classifier_to_timm
 from mmssl.models.mae import MAE
 
 SHAPE = {"patch_size": 4, "embed_dim": 32, "depth": 3, "num_heads": 2}

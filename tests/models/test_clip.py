@@ -11,9 +11,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from mmssl.retrieval import retrieval_metrics
 from mmssl.models.clip import CLIP
 from mmssl.optim import param_groups
+from mmssl.retrieval import retrieval_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 TIMM_JSON = str(REPO / "configs/models/clip_micro_timm.json")
@@ -106,7 +106,9 @@ def test_default_weight_decay_groups_follow_open_clip(tiny_clip_json):
     groups = param_groups(model, model.no_weight_decay, model._param_ndim, 0.2)
     decay, no_decay = (sorted(names[id(p)] for p in g["params"]) for g in groups)
     assert groups[1]["weight_decay"] == 0.0 and groups[0]["weight_decay"] == 0.2
-    expected = sorted(n for n, p in model.named_parameters() if p.ndim < 2 or "ln" in n or "bias" in n or "logit_scale" in n)
+    expected = sorted(
+        n for n, p in model.named_parameters() if p.ndim < 2 or "ln" in n or "bias" in n or "logit_scale" in n
+    )
     assert no_decay == expected
     for name in ("model.logit_scale", "model.logit_bias", "model.visual.class_embedding", "model.ln_final.weight"):
         assert name in no_decay

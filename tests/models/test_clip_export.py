@@ -53,10 +53,14 @@ def test_exported_checkpoint_loads_in_plain_open_clip_with_equal_embeddings(tmp_
     theirs.eval()
     images, tokens = _inputs(model)
     with torch.no_grad():
-        torch.testing.assert_close(theirs.encode_image(images), model.encode_image(images, normalize=False), rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            theirs.encode_image(images), model.encode_image(images, normalize=False), rtol=0, atol=1e-6
+        )
         # mmssl's text tower stops at the longest caption (trim_text_padding): the same sums in
         # another blocking, so equal to float rounding rather than bit for bit.
-        torch.testing.assert_close(theirs.encode_text(tokens), model.encode_text(tokens, normalize=False), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            theirs.encode_text(tokens), model.encode_text(tokens, normalize=False), rtol=0, atol=1e-5
+        )
     assert theirs.logit_scale.item() == model.model.logit_scale.item()
     if loss == "siglip":
         assert theirs.logit_bias.item() == model.model.logit_bias.item()

@@ -166,7 +166,9 @@ def test_checkpoint_loads_as_coca_and_exports_to_open_clip_strictly(tmp_path, ti
     assert type(loaded) is CoCa
     export_checkpoint(str(ckpt), "open_clip", str(tmp_path / "coca.safetensors"))
     open_clip.add_model_config(tiny_coca_json)
-    theirs, _, _ = open_clip.create_model_and_transforms("coca_test_tiny", pretrained=str(tmp_path / "coca.safetensors"))
+    theirs, _, _ = open_clip.create_model_and_transforms(
+        "coca_test_tiny", pretrained=str(tmp_path / "coca.safetensors")
+    )
     images, tokens = _batch(model)
     with torch.no_grad():
         torch.testing.assert_close(theirs.eval()(images, tokens)["logits"], model(images, tokens)["logits"])

@@ -128,7 +128,9 @@ def test_the_teacher_stays_frozen_and_out_of_the_students_checkpoint(tmp_path, t
     checkpoint = {"state_dict": state, "hyper_parameters": {**dict(student.hparams), "_class_path": "CLIP"}}
     student.on_save_checkpoint(checkpoint)
     assert checkpoint["teacher"]["sha256"] == hashlib.sha256(teacher_file.read_bytes()).hexdigest()
-    assert checkpoint["teacher"]["path"] == str(teacher_file) and checkpoint["hyper_parameters"]["teacher_embed_dim"] == 32
+    assert (
+        checkpoint["teacher"]["path"] == str(teacher_file) and checkpoint["hyper_parameters"]["teacher_embed_dim"] == 32
+    )
     # An evaluation or export rebuilds the student without its teacher, projection included.
     rebuilt = build_module("student.ckpt", checkpoint, checkpoint_kind("student.ckpt", checkpoint))
     assert rebuilt.distiller.teacher is None
@@ -165,15 +167,25 @@ def _tool(*argv: str) -> int:
 
 
 def _first_batch(model: CLIP, data: str, **kwargs) -> dict:
-    dm = ImageTextDataModule(train_data=data, batch_size=8, num_workers=0, image_size=model.image_size,
-                             tokenizer=model.tokenizer, crop_scale=(1.0, 1.0), teacher_tokenizer=model.teacher_text_tokenizer,
-                             teacher_embeddings=model.teacher_embeddings, max_bad_fraction=1.0, **kwargs)
+    dm = ImageTextDataModule(
+        train_data=data,
+        batch_size=8,
+        num_workers=0,
+        image_size=model.image_size,
+        tokenizer=model.tokenizer,
+        crop_scale=(1.0, 1.0),
+        teacher_tokenizer=model.teacher_text_tokenizer,
+        teacher_embeddings=model.teacher_embeddings,
+        max_bad_fraction=1.0,
+        **kwargs,
+    )
     batches = list(dm.build_stream(data, True))
     return {k: v for k, v in batches[0].items() if not k.startswith("__")}, sum(b["__skipped__"] for b in batches)
 
 
-def test_stored_embeddings_give_the_online_loss_and_bad_rows_are_counted(tmp_path, tiny_demo, teacher_file, student_json,
-                                                                         caplog):
+def test_stored_embeddings_give_the_online_loss_and_bad_rows_are_counted(
+    tmp_path, tiny_demo, teacher_file, student_json, caplog
+):
     train, out = os.path.dirname(tiny_demo.train), tmp_path / "emb"
     assert _tool("--ckpt", str(teacher_file), "--data", train, "--output", str(out), "--batch-size", "8",
                  "--num-workers", "0", "--output-json", str(tmp_path / "emb.json")) == 0

@@ -8,28 +8,53 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.cli_runs import run_one_process
 
 from mmssl.checkpoints.load import load_lightning
 from mmssl.models.clip import CLIP
+from tests.cli_runs import run_one_process
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_flyp_recipe_starts_from_the_pretrained_clip_and_trains_on_class_captions(tiny_demo, tiny_clip_json, tmp_path):
+def test_the_flyp_recipe_starts_from_the_pretrained_clip_and_trains_on_class_captions(
+    tiny_demo, tiny_clip_json, tmp_path
+):
     torch.manual_seed(0)
     start = CLIP(tiny_clip_json)
-    torch.save(start.model.state_dict(), tmp_path / "start_open_clip.pt")  # what tools/export.py --format open_clip writes
-    run_one_process([
-        "fit", "--config", str(REPO / "configs/finetune/clip_flyp_demo.yaml"),
-        "--model.init_args.model_name", tiny_clip_json, "--model.init_args.pretrained", str(tmp_path / "start_open_clip.pt"),
-        "--data.init_args.demo_dir", tiny_demo.root, "--data.init_args.captions_from_classes",
-        str(Path(tiny_demo.root) / "classnames.txt"), "--data.init_args.batch_size", "8", "--data.init_args.num_workers", "0",
-        "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0", "--trainer.default_root_dir", str(tmp_path / "runs"),
-    ])
+    torch.save(
+        start.model.state_dict(), tmp_path / "start_open_clip.pt"
+    )  # what tools/export.py --format open_clip writes
+    run_one_process(
+        [
+            "fit",
+            "--config",
+            str(REPO / "configs/finetune/clip_flyp_demo.yaml"),
+            "--model.init_args.model_name",
+            tiny_clip_json,
+            "--model.init_args.pretrained",
+            str(tmp_path / "start_open_clip.pt"),
+            "--data.init_args.demo_dir",
+            tiny_demo.root,
+            "--data.init_args.captions_from_classes",
+            str(Path(tiny_demo.root) / "classnames.txt"),
+            "--data.init_args.batch_size",
+            "8",
+            "--data.init_args.num_workers",
+            "0",
+            "--trainer.max_steps",
+            "2",
+            "--trainer.limit_val_batches",
+            "0",
+            "--trainer.default_root_dir",
+            str(tmp_path / "runs"),
+        ]
+    )
     tuned = load_lightning(str(next((tmp_path / "runs").rglob("last.ckpt"))))
-    moved = max(float((a - b).abs().max()) for a, b in zip(tuned.model.state_dict().values(), start.model.state_dict().values())
-                if a.is_floating_point())
+    moved = max(
+        float((a - b).abs().max())
+        for a, b in zip(tuned.model.state_dict().values(), start.model.state_dict().values())
+        if a.is_floating_point()
+    )
     assert 0 < moved < 1e-3  # two steps at lr 2e-5 from the pretrained weights, not from a fresh init
 
 

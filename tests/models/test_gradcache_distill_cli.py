@@ -19,12 +19,12 @@ import json
 
 import pytest
 import torch
-from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
-from tests.models.test_distill import STUDENT, save_lightning
 
 from mmssl.checkpoints import read_checkpoint
 from mmssl.data.demo import ensure_demo_data
 from mmssl.models.clip import CLIP
+from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
+from tests.models.test_distill import STUDENT, save_lightning
 
 # SGD: AdamW would turn the key bias's zero gradient (float noise in any two runs) into full-size
 # steps in random directions, hiding what is compared.
@@ -43,16 +43,26 @@ def test_two_chunked_ranks_with_a_teacher_train_what_one_process_trains(tmp_path
         folder.mkdir()
         ddp = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT] if processes == 2 else []
         args = [
-            "fit", "--config", str(REPO / "configs/demo/clip.yaml"), *ddp,
-            f"--model.init_args.model_name={student}", f"--model.init_args.teacher={teacher}",
+            "fit",
+            "--config",
+            str(REPO / "configs/demo/clip.yaml"),
+            *ddp,
+            f"--model.init_args.model_name={student}",
+            f"--model.init_args.teacher={teacher}",
             '--model.init_args.distill_weights={"contrastive": 1.0, "logits": 1.0, "features": 1.0}',
             f"--model.init_args.contrastive_chunk_size={chunk or 'null'}",
-            "--model.init_args.warmup_steps=1", f"--model.init_args.optimizer={SGD}", f"--data.init_args.demo_dir={demo.root}",
-            f"--data.init_args.batch_size={8 // processes}", "--data.init_args.num_workers=0",
-            "--trainer.max_epochs=2", "--trainer.gradient_clip_val=0.5", "--trainer.log_every_n_steps=1",
+            "--model.init_args.warmup_steps=1",
+            f"--model.init_args.optimizer={SGD}",
+            f"--data.init_args.demo_dir={demo.root}",
+            f"--data.init_args.batch_size={8 // processes}",
+            "--data.init_args.num_workers=0",
+            "--trainer.max_epochs=2",
+            "--trainer.gradient_clip_val=0.5",
+            "--trainer.log_every_n_steps=1",
             f"--trainer.default_root_dir={folder / 'runs'}",
             "--trainer.enable_progress_bar=false",
-            "--trainer.callbacks+=tests.helpers.DumpParams", f"--trainer.callbacks.folder={folder / 'params'}",
+            "--trainer.callbacks+=tests.helpers.DumpParams",
+            f"--trainer.callbacks.folder={folder / 'params'}",
         ]
         if processes == 2:
             out = run_mmssl(args, folder, timeout=300)

@@ -37,7 +37,9 @@ def test_lock_image_freezes_batch_norm_statistics_of_a_resnet_tower(tmp_path):
     model = CLIP(str(path), lock_image=True, lock_image_freeze_bn_stats=True)
     assert any(isinstance(m, FrozenBatchNorm2d) for m in model.model.visual.modules())
     assert not any(n.startswith("visual.") for n in _trainable(model.model))
-    with pytest.raises(ValueError, match="lock_image_unlocked_groups: the image tower ModifiedResNet has no layer groups"):
+    with pytest.raises(
+        ValueError, match="lock_image_unlocked_groups: the image tower ModifiedResNet has no layer groups"
+    ):
         CLIP(str(path), lock_image=True, lock_image_unlocked_groups=1)
 
 

@@ -55,12 +55,20 @@ def test_lora_trains_adapters_and_logit_scale_only_and_refuses_names_that_match_
     assert all("lora_" in n for n in trainable if n != "model.logit_scale"), trainable
     adapted = {n.split(".lora_")[0] for n in trainable if "lora_A" in n}
     # open_clip towers: the attention (in_proj and out_proj together) and both MLP layers, image and text
-    assert {"model.visual.transformer.resblocks.0.attn", "model.visual.transformer.resblocks.0.attn.base_layer.out_proj",
-            "model.visual.transformer.resblocks.0.mlp.c_fc", "model.transformer.resblocks.0.mlp.c_proj"} <= adapted
-    text_only = CLIP(model_name=json_path, pretrained=str(base), lora={"r": 2, "towers": ["text"], "target_modules": ["c_fc"]})
+    assert {
+        "model.visual.transformer.resblocks.0.attn",
+        "model.visual.transformer.resblocks.0.attn.base_layer.out_proj",
+        "model.visual.transformer.resblocks.0.mlp.c_fc",
+        "model.transformer.resblocks.0.mlp.c_proj",
+    } <= adapted
+    text_only = CLIP(
+        model_name=json_path, pretrained=str(base), lora={"r": 2, "towers": ["text"], "target_modules": ["c_fc"]}
+    )
     assert {n.split(".lora_")[0] for n, _ in text_only.named_parameters() if "lora_A" in n} == {
         "model.transformer.resblocks.0.mlp.c_fc"}
-    with pytest.raises(ValueError, match=r"'qkv' matches no Linear or MultiheadAttention.*candidates: .*'attn'.*'mlp.c_fc'"):
+    with pytest.raises(
+        ValueError, match=r"'qkv' matches no Linear or MultiheadAttention.*candidates: .*'attn'.*'mlp.c_fc'"
+    ):
         CLIP(model_name=json_path, pretrained=str(base), lora={"target_modules": ["qkv"]})
     with pytest.raises(ValueError, match="model.lora needs model.pretrained"):
         CLIP(model_name=json_path, lora={"r": 4})
@@ -76,7 +84,9 @@ def test_lora_classifier_adapts_the_vit_blocks_and_trains_the_head(tmp_path):
     trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     assert {"model.head.weight", "model.head.bias", "model.fc_norm.weight"} <= trainable
     adapted = {n.split(".lora_")[0] for n in trainable if "lora_A" in n}
-    assert adapted == {f"model.blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
+    assert adapted == {
+        f"model.blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+    }
     assert not any("lora" in n for n, _ in module.model.patch_embed.named_parameters())
 
 
@@ -105,7 +115,9 @@ def test_lora_checkpoint_holds_what_trains_and_refuses_a_missing_or_changed_base
     with pytest.raises(ValueError, match=re.escape(f"the LoRA base file {own_base} (model.pretrained) has changed")):
         load_lightning(str(tmp_path / "lora.ckpt"))
     own_base.unlink()
-    with pytest.raises(FileNotFoundError, match=re.escape(f"the LoRA base file {own_base} (model.pretrained) is missing")):
+    with pytest.raises(
+        FileNotFoundError, match=re.escape(f"the LoRA base file {own_base} (model.pretrained) is missing")
+    ):
         load_lightning(str(tmp_path / "lora.ckpt"))
 
 

@@ -93,7 +93,9 @@ def test_clip_recipe_optimizer_matches_its_sources(name):
     names = {id(p): n for n, p in holder.named_parameters()}
     no_decay = {names[id(p)] for p in groups[1]["params"]}
     expected = {n for n, p in holder.named_parameters() if rule(n, p)}
-    assert no_decay == expected, f"{name}: extra {sorted(no_decay - expected)[:5]}, missing {sorted(expected - no_decay)[:5]}"
+    assert no_decay == expected, (
+        f"{name}: extra {sorted(no_decay - expected)[:5]}, missing {sorted(expected - no_decay)[:5]}"
+    )
     assert groups[1]["weight_decay"] == 0.0 and groups[0]["weight_decay"] == pytest.approx(wd)
 
 

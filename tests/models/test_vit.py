@@ -47,7 +47,9 @@ def test_intermediates():
     assert len(feats) == 2 and all(f.shape == (2, 64) for f in feats)
     torch.testing.assert_close(feats[-1], vit(images))
     avg = vit.forward_intermediates(images, pool="avg")
-    torch.testing.assert_close(avg[-1], vit.blocks[1](vit.blocks[0](vit.prepend_cls(vit.embed_patches(images))))[:, 1:].mean(1))
+    torch.testing.assert_close(
+        avg[-1], vit.blocks[1](vit.blocks[0](vit.prepend_cls(vit.embed_patches(images))))[:, 1:].mean(1)
+    )
 
 
 def test_validation_errors():
@@ -84,7 +86,9 @@ def test_flops_quarter_at_075(size):
 
 def test_load_encoder_from_mae_release_layout(tmp_path):
     src = MaskedViT(**TINY)
-    state = {"model": {**src.state_dict(), "mask_token": torch.zeros(1, 1, 32), "decoder_embed.weight": torch.zeros(32, 64)}}
+    state = {
+        "model": {**src.state_dict(), "mask_token": torch.zeros(1, 1, 32), "decoder_embed.weight": torch.zeros(32, 64)}
+    }
     torch.save(state, tmp_path / "mae.pth")
     dst = MaskedViT(**TINY)
     load_encoder(dst, str(tmp_path / "mae.pth"))
@@ -94,4 +98,6 @@ def test_load_encoder_from_mae_release_layout(tmp_path):
     load_encoder(bigger, str(tmp_path / "mae.pth"))  # pos_embed resampled 8x8 -> 12x12
     assert bigger.pos_embed.shape == (1, 145, 64)
     with pytest.raises(KeyError, match="lacks"):
-        load_encoder(MaskedViT(image_size=32, patch_size=4, embed_dim=64, depth=3, num_heads=4), str(tmp_path / "mae.pth"))
+        load_encoder(
+            MaskedViT(image_size=32, patch_size=4, embed_dim=64, depth=3, num_heads=4), str(tmp_path / "mae.pth")
+        )

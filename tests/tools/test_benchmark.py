@@ -52,7 +52,9 @@ def test_with_patch_dropout_copies_config(tmp_path, tiny_clip_json):
     cfg = json.loads(Path(path).read_text())
     assert cfg["vision_cfg"]["patch_dropout"] == 0.5
     assert cfg["text_cfg"] == json.loads(Path(tiny_clip_json).read_text())["text_cfg"]
-    assert json.loads(Path(with_patch_dropout("ViT-B-32", 0.25, str(tmp_path))).read_text())["vision_cfg"]["width"] == 768
+    assert (
+        json.loads(Path(with_patch_dropout("ViT-B-32", 0.25, str(tmp_path))).read_text())["vision_cfg"]["width"] == 768
+    )
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         with_patch_dropout(tiny_clip_json, 1.0, str(tmp_path))
 
@@ -138,8 +140,8 @@ def _mae_args(tiny_demo):
 
 def test_lightly_peer_has_the_configs_sizes():
     pytest.importorskip("lightly", reason="lightly is in the bench extra")
-    from mmssl.models.mae import MAE
     from benchmarks.lightly_peer import lightly_mae
+    from mmssl.models.mae import MAE
 
     mine = MAE(image_size=32, patch_size=4, embed_dim=64, depth=3, num_heads=4, decoder_embed_dim=32,
                decoder_depth=2, decoder_num_heads=4)

@@ -46,7 +46,9 @@ def _refused(code: int, capsys, tool: str, name: str) -> None:
 def test_evaluate_scores_the_average_with_ema(clips, tiny_demo, tmp_path, capsys):
     main = _tool("evaluate")
     suite = tmp_path / "suite.yaml"
-    suite.write_text(f"resamples: 10\nsets:\n  demo:\n    test: {tiny_demo.eval_dir}\n    tasks: [zero_shot, retrieval]\n")
+    suite.write_text(
+        f"resamples: 10\nsets:\n  demo:\n    test: {tiny_demo.eval_dir}\n    tasks: [zero_shot, retrieval]\n"
+    )
 
     def figures(ckpt: str, *extra: str) -> dict:
         out = tmp_path / f"{Path(ckpt).stem}{''.join(extra)}"

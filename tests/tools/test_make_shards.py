@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from mmssl.data.datamodule import ImageTextDataModule
 from mmssl.data.pipeline import worker_batches
 from mmssl.data.shards import inspect_shards
-from mmssl.data.datamodule import ImageTextDataModule
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 

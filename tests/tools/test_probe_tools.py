@@ -11,7 +11,6 @@ import torch
 
 from mmssl.checkpoints import read_checkpoint
 from mmssl.cli import main
-from mmssl.models.clip import CLIP
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,7 +54,9 @@ def test_linear_probe_tool_on_lightning_checkpoint(lightning_ckpt, tiny_demo, tm
     assert "top1" in capsys.readouterr().out
 
 
-def test_zero_shot_tool_on_lightning_and_open_clip_files(lightning_ckpt, tiny_demo, tiny_clip_json, tmp_path, monkeypatch):
+def test_zero_shot_tool_on_lightning_and_open_clip_files(
+    lightning_ckpt, tiny_demo, tiny_clip_json, tmp_path, monkeypatch
+):
     assert run_tool("zero_shot.py", ["--ckpt", str(lightning_ckpt), "--data", tiny_demo.eval_dir,
                                      "--output-json", str(tmp_path / "a.json")], monkeypatch) == 0
     from_ckpt = json.loads((tmp_path / "a.json").read_text())
@@ -101,7 +102,9 @@ def test_tool_names_a_missing_checkpoint(tmp_path, monkeypatch, capsys):
     assert err.count("\n") == 1  # one line, no traceback
 
 
-def test_zero_shot_tool_reads_a_clip_benchmark_folder_by_root_or_split(lightning_ckpt, tiny_demo, tmp_path, monkeypatch):
+def test_zero_shot_tool_reads_a_clip_benchmark_folder_by_root_or_split(
+    lightning_ckpt, tiny_demo, tmp_path, monkeypatch
+):
     """The demo's held-out shards as clip_benchmark_export_wds lays out a set (test split, side
     files at the root only): the same figures as the demo folder, whether given DIR or DIR/test."""
     import shutil

@@ -124,8 +124,25 @@ def test_similarity_tool_keeps_same_named_images_apart(images, tiny_clip_json, t
 def test_similarity_tool_writes_one_panel_per_query(images, tiny_clip_json, tmp_path, monkeypatch, capsys):
     torch.manual_seed(0)
     clip = _lightning_file(CLIP(tiny_clip_json), "mmssl.models.clip.CLIP", tmp_path / "clip.ckpt")
-    assert run_tool("similarity_map.py", ["--ckpt", str(clip), "--images", images[1], "--text", "a red star",
-                                          "--text", "a blue circle", "--output", str(tmp_path / "sim")], monkeypatch) == 0
+    assert (
+        run_tool(
+            "similarity_map.py",
+            [
+                "--ckpt",
+                str(clip),
+                "--images",
+                images[1],
+                "--text",
+                "a red star",
+                "--text",
+                "a blue circle",
+                "--output",
+                str(tmp_path / "sim"),
+            ],
+            monkeypatch,
+        )
+        == 0
+    )
     one = _png(str(tmp_path / "sim" / "img1_similarity.png"))
     # --image: the old spelling, still accepted
     assert run_tool("similarity_map.py", ["--ckpt", str(clip), "--image", images[1], "--text", "a red star",
@@ -188,15 +205,26 @@ def test_projector_on_one_and_two_processes_writes_the_same_points(tiny_demo, ti
         folder.mkdir()
         ddp = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT] if processes == 2 else []
         args = [
-            "fit", "--config", str(REPO / "configs/demo/clip.yaml"), f"--model.init_args.model_name={tiny_clip_json}",
-            f"--data.init_args.demo_dir={tiny_demo.root}", f"--data.init_args.val_data={val}",
-            "--data.init_args.batch_size=4", "--data.init_args.num_workers=1", "--trainer.max_epochs=1",
-            "--trainer.limit_train_batches=2", "--model.init_args.optimizer.init_args.lr=0.0",
-            f"--trainer.default_root_dir={folder / 'runs'}", "--trainer.enable_progress_bar=false",
-            "--trainer.callbacks+=mmssl.callbacks.EmbeddingProjector", f"--trainer.callbacks.data={val}",
+            "fit",
+            "--config",
+            str(REPO / "configs/demo/clip.yaml"),
+            f"--model.init_args.model_name={tiny_clip_json}",
+            f"--data.init_args.demo_dir={tiny_demo.root}",
+            f"--data.init_args.val_data={val}",
+            "--data.init_args.batch_size=4",
+            "--data.init_args.num_workers=1",
+            "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=2",
+            "--model.init_args.optimizer.init_args.lr=0.0",
+            f"--trainer.default_root_dir={folder / 'runs'}",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.callbacks+=mmssl.callbacks.EmbeddingProjector",
+            f"--trainer.callbacks.data={val}",
             "--trainer.callbacks.batch_size=5",
             f"--trainer.callbacks.classnames={root / 'classnames.txt'}",
-            f"--trainer.callbacks.templates={root / 'zeroshot_classification_templates.txt'}", "--trainer.callbacks.thumbnail_size=16", *ddp,
+            f"--trainer.callbacks.templates={root / 'zeroshot_classification_templates.txt'}",
+            "--trainer.callbacks.thumbnail_size=16",
+            *ddp,
         ]
         out = run_mmssl(args, folder, timeout=420) if processes == 2 else run_one_process(args)
         assert out.returncode == 0, out.stdout[-3000:]

@@ -46,7 +46,9 @@ def test_zero_shot_tool_skips_bad_labels_and_refuses_a_shifted_class_list(open_c
                                                                           capsys):
     # Before: the overflowing cls crashed batch stacking without naming shard or key.
     members = sample_members(0, label=0) + sample_members(1, label=1)
-    members += [m for m in sample_members(2) if not m[0].endswith(".cls")] + [("s00002.cls", b"99999999999999999999999")]
+    members += [m for m in sample_members(2) if not m[0].endswith(".cls")] + [
+        ("s00002.cls", b"99999999999999999999999")
+    ]
     write_tar(tmp_path / "00000.tar", members)
     (tmp_path / "classnames.txt").write_text("cat\ndog\n")
     with caplog.at_level(logging.WARNING, logger="mmssl.data"):
