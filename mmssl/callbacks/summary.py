@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
 
 from mmssl.evaluation.online import run_folder
 from mmssl.flops import COMPUTE_FILE, count_flops
@@ -42,6 +46,56 @@ def run_info(trainer: pl.Trainer) -> dict[str, float | int]:
     return info
 
 
+_RIGHT_ALIGNED = ("Params", "Params per Device", "In sizes", "Out sizes")
+
+
+def summarize_without_flops(summary_data: list[tuple[str, list[str]]], total_parameters: int,
+                            trainable_parameters: int, model_size: float, total_training_modes: dict[str, int],
+                            total_flops: int = 0, rich: bool = False, flops_note: Optional[str] = None,
+                            **kwargs: Any) -> None:
+    """Lightning's model table (``ModelSummary.summarize``'s arguments) without its FLOPs column and
+    total: Lightning counts them as one forward of ``example_input_array``, so a module without one
+    shows zeros. The training step's count is :class:`RunSummary`'s, printed after step 0.
+
+    Args:
+        summary_data: the table's columns, ``(name, values)``.
+        total_parameters, trainable_parameters, model_size, total_training_modes: the totals.
+        total_flops: Lightning's count, not shown.
+        rich: draw with rich (as ``RichModelSummary``), else as text (as ``ModelSummary``).
+        flops_note: a last line, ``FLOPs per step: NOTE`` (where the count is found).
+        **kwargs: ``header_style`` for rich.
+    """
+    columns = [(name, [str(v) for v in values]) for name, values in summary_data if name != "FLOPs"]
+    totals = [("Trainable params", get_human_readable_count(trainable_parameters)),
+              ("Non-trainable params", get_human_readable_count(total_parameters - trainable_parameters)),
+              ("Total params", get_human_readable_count(total_parameters)),
+              ("Total estimated model params size (MB)", get_formatted_model_size(model_size)),
+              ("Modules in train mode", str(total_training_modes["train"])),
+              ("Modules in eval mode", str(total_training_modes["eval"]))]
+    note = [f"FLOPs per step: {flops_note}"] if flops_note else []
+    if rich:
+        from rich import get_console
+        from rich.table import Table
+
+        table = Table(header_style=kwargs.get("header_style", "bold magenta"))
+        for name, _ in columns:
+            table.add_column(name, justify="right" if name in _RIGHT_ALIGNED else "left", no_wrap=name == "Name")
+        for row in zip(*(values for _, values in columns)):
+            table.add_row(*row)
+        console = get_console()
+        console.print(table)
+        for key, value in totals:
+            console.print(f"[bold]{key}[/]: {value}")
+        for line in note:
+            console.print(line)
+        return
+    widths = [max([len(name), *map(len, values)]) for name, values in columns]
+    lines = [" | ".join(name.ljust(w) for (name, _), w in zip(columns, widths)), "-" * (sum(widths) + 3 * len(widths))]
+    lines += [" | ".join(v.ljust(w) for v, w in zip(row, widths)) for row in zip(*(values for _, values in columns))]
+    lines += ["-" * (sum(widths) + 3 * len(widths))] + [f"{value:<10} {key}" for key, value in totals] + note
+    rank_zero_info("\n" + "\n".join(lines))
+
+
 class RunSummary(pl.Callback):
     """Print the run's scale at the start, and where it went and what it reached at the end.
 
@@ -55,7 +109,12 @@ class RunSummary(pl.Callback):
     ``flops_per_step`` (this rank's count x world size: data-parallel ranks do the same work),
     ``flops_per_step_per_device``, ``world_size`` and ``global_batch_size``. Training compute up
     to step s is then ``flops_per_step * s`` (``tools/scaling_fit.py`` reads it, no model needed).
-    A resumed run keeps the file its first start wrote.
+    A resumed run keeps the file its first start wrote. Rank 0 prints the count after step 0.
+
+    Lightning's model table (``ModelSummary`` / ``RichModelSummary``) counts FLOPs as one forward of
+    ``example_input_array``: for a module without one (every mmssl model) it would print a column
+    of zeros and "Total FLOPs: 0", so the table is drawn without them
+    (:func:`summarize_without_flops`).
 
     The count is also handed to Lightning's ``ThroughputMonitor`` (``mmssl.callbacks.Throughput``)
     the way it asks for it, as the module's ``flops_per_batch`` (per device and micro-batch), so
@@ -76,6 +135,15 @@ class RunSummary(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.flops_per_step_per_device = state_dict.get("flops_per_step_per_device")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if pl_module.example_input_array is not None:  # Lightning counts that forward itself
+            return
+        for callback in trainer.callbacks:
+            if type(callback) in (ModelSummary, RichModelSummary):  # its depth and options kept
+                note = "forward + backward of the first step, printed after it and at the end" if self.count_flops else None
+                callback.summarize = functools.partial(summarize_without_flops, flops_note=note,
+                                                       rich=type(callback) is RichModelSummary)
 
     def _hand_to_throughput(self, trainer: pl.Trainer) -> None:
         """Set ``flops_per_batch`` on the module (ThroughputMonitor's interface; purely local)."""
@@ -113,6 +181,8 @@ class RunSummary(pl.Callback):
         self._hand_to_throughput(trainer)
         if not trainer.is_global_zero:
             return
+        print(f"mmssl: {per_device / 1e9:.3g} GFLOP per training step per device (forward + backward of step 0, "
+              f"{COMPUTE_FILE})", flush=True)
         info = {
             "flops_per_step": per_device * trainer.world_size,
             "flops_per_step_per_device": per_device,

@@ -1,13 +1,17 @@
 """RunSummary's FLOP count reaches Lightning's ThroughputMonitor (``flops_per_batch``), without
-its "you need to define a flops_per_batch" warning, and survives a checkpoint."""
+its "you need to define a flops_per_batch" warning, and survives a checkpoint; the model table
+shows no FLOPs of zero, and the step's count is printed."""
 
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 
 import lightning.pytorch as pl
+import pytest
 import torch
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
@@ -52,3 +56,18 @@ def test_flops_reach_the_throughput_monitor_and_the_checkpoint(tmp_path):
     restored = RunSummary()
     restored.load_state_dict(summary.state_dict())
     assert restored.flops_per_step_per_device == per_step
+
+
+@pytest.mark.parametrize("table", ["rich", "text"])
+def test_the_model_table_shows_no_zero_flops_and_the_step_count_is_printed(tmp_path, table, capsys, caplog):
+    # Lightning's table counts FLOPs as a forward of example_input_array: zeros for a module
+    # without one. The table keeps its other columns.
+    callbacks = [RunSummary(), *([ModelSummary(max_depth=2)] if table == "text" else [])]
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=callbacks, enable_progress_bar=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(_Linear(), _batches())
+    out = capsys.readouterr().out + caplog.text
+    assert "Total params" in out and "layer" in out and "Linear" in out
+    assert "FLOPs" not in out.replace("FLOPs per step", "") and "Total Flops" not in out
+    assert "FLOPs per step" in out and "mmssl: 2.56e-07 GFLOP per training step per device" in out  # 2 * 2*2*8*4
