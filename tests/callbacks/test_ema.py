@@ -24,6 +24,19 @@ TINY_MAE = dict(image_size=32, patch_size=4, embed_dim=32, depth=1, num_heads=2,
                 decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2)
 
 
+@pytest.mark.parametrize("strategy", ["FSDPStrategy", "ModelParallelStrategy"])
+def test_sharded_strategies_are_refused_before_a_copy_is_made(strategy):
+    import types
+
+    from lightning.pytorch import strategies
+
+    trainer = types.SimpleNamespace(strategy=getattr(strategies, strategy)())
+    ema = EMA()
+    with pytest.raises(ValueError, match=f"EMA: {strategy} shards the weights .* use EMA with DDP or one device"):
+        ema.setup(trainer, MAE(**TINY_MAE), "fit")
+    assert ema.averaged_module() is None
+
+
 @pytest.mark.parametrize("decay", [0.0, 1.0, 1.5, -0.1])
 def test_decay_outside_the_open_unit_interval_is_refused_naming_the_key(decay):
     with pytest.raises(ValueError, match=r"EMA: init_args.decay .* must be in \(0, 1\), got"):
