@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from mmssl.checkpoints import UnsafeCheckpointError, read_checkpoint
 from mmssl.checkpoints.layouts import clip_to_open_clip, detect_kind, kind_named, strip_ddp
-from mmssl.checkpoints.read import lightning_weights
+from mmssl.checkpoints.read import is_dcp_folder, lightning_weights
 from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
 from mmssl.upstream import lightning_cli_class_path
 
@@ -258,7 +258,7 @@ def load_teacher(path: str, model_name: Optional[str] = None, tokenizer_dir: Opt
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"{KEY}: no teacher file or folder at {path!r}")
-    checkpoint = None if os.path.isdir(path) else _read(path)
+    checkpoint = None if os.path.isdir(path) and not is_dcp_folder(path) else _read(path)  # a sharded run's folder reads whole
     if ema and not isinstance((checkpoint or {}).get("state_dict"), dict):
         raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this teacher is an export "
                          "or state dict, which holds one set of weights")
