@@ -26,7 +26,7 @@ from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.log_step import LogStepOnResume
 from mmssl.callbacks.rng_state import RNGState
 from mmssl.callbacks.summary import RunSummary
-from mmssl.checkpoints.io import AtomicCheckpointIO
+from mmssl.checkpoints.sharded import SafeCheckpointIO
 from mmssl.checkpoints.resume import (
     RUN_ENV, check_checkpoint, export_plan, is_global_rank_zero, newest_complete, plan_run, run_checkpoints, versions,
 )
@@ -146,7 +146,7 @@ class MMSSLCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if not _configured_checkpoint_io(config, self._subcommand_value(self.config, "trainer", {})) and \
                 type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
-            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+            trainer.strategy.checkpoint_io = SafeCheckpointIO()
         # LogStepOnResume first: callbacks that log in on_train_batch_start (LearningRateMonitor)
         # must see its correction of the logging step.
         trainer.callbacks.sort(key=lambda callback: not isinstance(callback, LogStepOnResume))

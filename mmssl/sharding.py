@@ -16,7 +16,7 @@ and exports read the same keys as under DDP.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -101,7 +101,7 @@ def is_fsdp2(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def shard_model(module: nn.Module, trainer: Any, skip: Iterable[nn.Module] = ()) -> bool:
+def shard_model(module: nn.Module, trainer: Any) -> bool:
     """``fully_shard`` each transformer block of ``module``, then ``module`` itself, when
     ``trainer`` runs Lightning's ``ModelParallelStrategy``; a no-op under any other strategy and
     when already sharded (``configure_model`` may be called again).
@@ -109,8 +109,9 @@ def shard_model(module: nn.Module, trainer: Any, skip: Iterable[nn.Module] = ())
     Args:
         module: the LightningModule (from its ``configure_model``).
         trainer: its trainer, or ``None`` outside one.
-        skip: submodules left out of the sharding: they stay whole on every rank and take no part
-            in it (a frozen teacher that is not in the state dict and never trained).
+
+    A distillation teacher is no submodule of the student (``mmssl.models.teacher``): it stays
+    whole and frozen on every rank, outside the sharding, as it stays outside DDP.
 
     Returns:
         Whether ``module`` was sharded here.
@@ -120,7 +121,6 @@ def shard_model(module: nn.Module, trainer: Any, skip: Iterable[nn.Module] = ())
             models shard data-parallel only.
     """
     from lightning.pytorch.strategies import ModelParallelStrategy
-    from torch.distributed.fsdp import fully_shard
 
     strategy = getattr(trainer, "strategy", None)
     if not isinstance(strategy, ModelParallelStrategy) or is_fsdp2(module):
@@ -129,18 +129,21 @@ def shard_model(module: nn.Module, trainer: Any, skip: Iterable[nn.Module] = ())
     if mesh["tensor_parallel"].size() != 1:
         raise ValueError(f"{type(module).__name__}: trainer.strategy.init_args.tensor_parallel_size must be 1 "
                          f"(mmssl shards data-parallel with FSDP2), got {mesh['tensor_parallel'].size()}")
-    policy = getattr(strategy, "policy", None) or ShardingPolicy()
+    shard_module(module, mesh["data_parallel"], getattr(strategy, "policy", None) or ShardingPolicy())
+    return True
+
+
+def shard_module(module: nn.Module, mesh: Any, policy: ShardingPolicy) -> None:
+    """``fully_shard`` each of :func:`shard_units` on ``mesh`` (a 1-D data-parallel device mesh),
+    then ``module`` itself: what :func:`shard_model` does inside a Lightning run."""
+    from torch.distributed.fsdp import fully_shard
+
     kwargs = policy.fully_shard_kwargs()
-    skipped = {id(p) for m in skip for p in m.parameters()}
     for unit in shard_units(module):
-        if not any(id(p) in skipped for p in unit.parameters()):
-            fully_shard(unit, mesh=mesh["data_parallel"], **kwargs)
-    ignored = {p for m in skip for p in m.parameters()}
+        fully_shard(unit, mesh=mesh, **kwargs)
     # The root's parameters (embeddings, norms, heads): the last all-gather of the forward. The
     # root stays gathered after the forward (its backward comes first), as torchtitan does.
-    fully_shard(module, mesh=mesh["data_parallel"], ignored_params=ignored or None,
-                **{**kwargs, "reshard_after_forward": False})
-    return True
+    fully_shard(module, mesh=mesh, **{**kwargs, "reshard_after_forward": False})
 
 
 def check_sharded(module: nn.Module, trainer: Any) -> None:

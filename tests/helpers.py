@@ -20,6 +20,11 @@ class KillAtStep(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def whole(tensor):
+    """The whole tensor of an FSDP2 shard (a DTensor; a collective), else ``tensor``."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 class DumpParams(pl.Callback):
     """Save each rank's parameters to ``{folder}/rank{R}.pt`` when training ends, and the weights
     of an ``mmssl.callbacks.EMA``'s average under ``ema/NAME``."""
@@ -29,12 +34,26 @@ class DumpParams(pl.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         os.makedirs(self.folder, exist_ok=True)
-        state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        # FSDP2's parameters are DTensor shards: whole tensors (a collective every rank joins here).
+        state = {k: whole(v).detach().cpu().clone() for k, v in pl_module.state_dict().items()}
         for callback in trainer.callbacks:
             average = getattr(callback, "averaged_module", lambda: None)()
             if average is not None:
                 state.update({f"ema/{k}": v.detach().cpu().clone() for k, v in average.state_dict().items()})
         torch.save(state, os.path.join(self.folder, f"rank{trainer.global_rank}.pt"))
+
+
+class DumpStartParams(pl.Callback):
+    """Save each rank's whole parameters as training starts (after a resume has restored them)
+    to ``{folder}/start_rank{R}.pt``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        state = {k: whole(v).detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        torch.save(state, os.path.join(self.folder, f"start_rank{trainer.global_rank}.pt"))
 
 
 class DumpGrads(pl.Callback):

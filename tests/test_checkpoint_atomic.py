@@ -29,6 +29,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from mmssl.checkpoints import read_checkpoint
 from mmssl.checkpoints.io import AtomicCheckpointIO
+from mmssl.checkpoints.sharded import SafeCheckpointIO
 from mmssl.cli import MMSSLCLI, main
 from tests.cli_runs import cli_env
 from tests.test_run_folders import loss_steps, tiny_config
@@ -219,5 +220,5 @@ def test_the_cli_installs_the_atomic_checkpoint_io_unless_the_config_names_one(t
                        args=["--config", config, f"--trainer.default_root_dir={tmp_path}", *extra])
         return cli.trainer.strategy.checkpoint_io
 
-    assert type(checkpoint_io()) is AtomicCheckpointIO
+    assert type(checkpoint_io()) is SafeCheckpointIO  # atomic saves, loads through the one reader
     assert type(checkpoint_io("--trainer.plugins=lightning.pytorch.plugins.io.TorchCheckpointIO")) is TorchCheckpointIO

@@ -77,6 +77,8 @@ def _offending_globals(path: str) -> list[str]:
 # by an unpickler that rebuilds only DCP's metadata types, and the shards' entries with
 # ``weights_only=True``; ``meta.pt`` (Lightning's non-tensor state) through read_checkpoint.
 DCP_METADATA, LIGHTNING_META = ".metadata", "meta.pt"
+# Entry of a checkpoint naming the weights that are 0-d in the model and saved (1,) by a sharded run.
+SCALAR_KEYS = "scalar_keys"
 _DCP_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
@@ -225,22 +227,30 @@ def read_dcp_folder(path: str) -> dict[str, Any]:
     mappings = metadata.planner_data or {key: (key,) for key in flat}
     for key, value in flat.items():
         _set_path(nested, tuple(mappings.get(key, (key,))), value)
-    checkpoint["state_dict"] = nested.get("state_dict", {})
+    scalars = set(checkpoint.get(SCALAR_KEYS) or ())
+    checkpoint["state_dict"] = {k: v.reshape(()) if k in scalars and v.numel() == 1 else v
+                                for k, v in nested.get("state_dict", {}).items()}
     optimizers = sorted((k for k in nested if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
-    checkpoint["optimizer_states"] = [_numbered_optimizer_state(nested[k]) for k in optimizers]
+    checkpoint["optimizer_states"] = [_numbered_optimizer_state(nested[k], scalars) for k in optimizers]
     return checkpoint
 
 
-def _numbered_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
-    """DCP's optimizer state (keyed by parameter name) in ``Optimizer.state_dict()``'s layout."""
+def _numbered_optimizer_state(state: dict[str, Any], scalars: set = frozenset()) -> dict[str, Any]:
+    """DCP's optimizer state (keyed by parameter name) in ``Optimizer.state_dict()``'s layout;
+    the per-parameter tensors of ``scalars`` (parameter names) 0-d, as those parameters are."""
     index: dict[str, int] = {}
     groups = []
     for group in state.get("param_groups", []):
         names = group["params"]
         index.update({name: len(index) + i for i, name in enumerate(names)})
         groups.append({**group, "params": [index[name] for name in names]})
-    return {"state": {index[name]: value for name, value in state.get("state", {}).items() if name in index},
-            "param_groups": groups}
+    def shaped(name: str, entry: Any) -> Any:
+        if name not in scalars or not isinstance(entry, dict):
+            return entry
+        return {k: v.reshape(()) if isinstance(v, torch.Tensor) and v.shape == (1,) else v for k, v in entry.items()}
+
+    return {"state": {index[name]: shaped(name, value) for name, value in state.get("state", {}).items()
+                      if name in index}, "param_groups": groups}
 
 
 def read_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:

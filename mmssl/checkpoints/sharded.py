@@ -25,12 +25,14 @@ import secrets
 import shutil
 from pathlib import Path
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
+
+import torch
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from mmssl.checkpoints.io import fsync_folder, atomic_torch_save
+from mmssl.checkpoints.io import AtomicCheckpointIO, atomic_torch_save, fsync_folder
 from mmssl.checkpoints.read import LIGHTNING_META, is_dcp_folder, load_dcp, read_checkpoint, read_dcp_metadata
 from mmssl.sharding import ShardingPolicy, check_sharded
 
@@ -183,29 +185,101 @@ class FSDP2Strategy(ModelParallelStrategy):
         else:
             super().remove_checkpoint(filepath)
 
+    # Restored before setup, as under DDP: configure_model has sharded the model by then, and the
+    # data module, callbacks and loops get their state before the setup builds the optimizers (whose
+    # schedules ask for the step count, which opens the training loader: at the saved position).
+    # Lightning's strategy restores after its setup, which opened that loader at the epoch's start.
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return False
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return True
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load weights and optimizer state into the sharded model; return the rest of the
-        checkpoint (Lightning's loops, callbacks, schedulers), all read as plain data."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
+        """Load the weights into the sharded model; return the rest of the checkpoint (loops,
+        callbacks, schedulers, data position; optimizer states follow in
+        :meth:`load_optimizer_state_dict`), all read as plain data. A folder is read shard by
+        shard (DCP reshards to this run's ranks), a file (a DDP run's) whole and scattered."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
         path = str(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        strict = self.lightning_module.strict_loading
         if not is_dcp_folder(path):
-            read_checkpoint(path)  # refuses a file pickling code before Lightning's torch.load sees it
-            return super().load_checkpoint(path, weights_only=True)
+            checkpoint = read_checkpoint(path)
+            state = _shaped(checkpoint.pop("state_dict"), dict(self.model.named_parameters()))
+            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+            return checkpoint
         read_dcp_metadata(path)  # a named error for a torn or crafted folder, before any state moves
         meta = read_checkpoint(os.path.join(path, LIGHTNING_META))
-        assert self.model is not None and self.lightning_module is not None
         model_state = {"state_dict": get_model_state_dict(self.model)}
         load_dcp(path, model_state)
-        self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
-        for i, optimizer in enumerate(self.optimizers):
-            key = f"optimizer_{i}"
-            optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
-            load_dcp(path, optim_state)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
-                                     options=StateDictOptions(cpu_offload=True))
+        self.model.load_state_dict(model_state["state_dict"], strict=strict)
+        meta["optimizer_states"] = [_FROM_FOLDER]  # Lightning asks for the key; the states are read below
+        meta[_FOLDER] = path
         return meta
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Each optimizer's state from the folder (resharded), or from a file's full state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
+
+        assert self.model is not None
+        params = dict(self.model.named_parameters())
+        for i, optimizer in enumerate(self.optimizers):
+            if _FOLDER in checkpoint:
+                key = f"optimizer_{i}"
+                state = {key: get_optimizer_state_dict(self.model, optimizer)}
+                load_dcp(checkpoint[_FOLDER], state)
+                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key],
+                                         options=StateDictOptions(cpu_offload=True))
+            else:
+                named = _named_optimizer_state(checkpoint["optimizer_states"][i], optimizer, params)
+                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=named,
+                                         options=StateDictOptions(full_state_dict=True))
+
+
+_FOLDER, _FROM_FOLDER = "sharded_checkpoint_folder", "in the sharded checkpoint folder"
+
+
+def _shaped(state: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each tensor in its parameter's shape where only the shape differs (CLIP's
+    0-d ``logit_scale`` of a DDP checkpoint, (1,) in a sharded model)."""
+    out = {}
+    for name, value in state.items():
+        param = params.get(name)
+        if param is not None and isinstance(value, torch.Tensor) and value.shape != param.shape \
+                and value.numel() == param.numel():
+            value = value.reshape(param.shape)
+        out[name] = value
+    return out
+
+
+def _named_optimizer_state(state: dict[str, Any], optimizer: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """A ``torch.optim.Optimizer.state_dict()`` (parameters numbered in the groups' order, as a DDP
+    run saves it) keyed by parameter names, as ``set_optimizer_state_dict`` takes a full state."""
+    name_of = {id(p): n for n, p in params.items()}
+    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    entries = {}
+    for index, entry in state["state"].items():
+        name = names[index]
+        entries[name] = {k: (v.reshape(params[name].shape) if isinstance(v, torch.Tensor) and k != "step"
+                             and v.numel() == params[name].numel() else v) for k, v in entry.items()}
+    groups = [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]
+    return {"state": entries, "param_groups": groups}
+
+
+class SafeCheckpointIO(AtomicCheckpointIO):
+    """:class:`AtomicCheckpointIO` whose loads go through the one reader: a file as plain data
+    (``weights_only=True``), a sharded folder consolidated (an FSDP2 run resumed under DDP or on
+    one device). ``mmssl fit`` installs it unless the config names its own ``CheckpointIO``."""
+
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return read_checkpoint(str(path))
 
 
 def is_sharded_checkpoint(path: str) -> bool:
@@ -213,4 +287,4 @@ def is_sharded_checkpoint(path: str) -> bool:
     return is_dcp_folder(path)
 
 
-__all__ = ["FSDP2Strategy", "is_sharded_checkpoint", "set_aside_folders"]
+__all__ = ["FSDP2Strategy", "SafeCheckpointIO", "is_sharded_checkpoint", "set_aside_folders"]

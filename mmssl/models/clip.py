@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric, MetricCollection
 
-from mmssl.checkpoints.read import checkpoint_exists
+from mmssl.checkpoints.read import SCALAR_KEYS, checkpoint_exists
 from mmssl.data.decode import trim_text_padding
 from mmssl.distributed import gather_with_grad, is_sharded, rank, seed_per_rank
 from mmssl.log_cadence import logging_step
@@ -437,6 +437,10 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         super().on_save_checkpoint(checkpoint)  # LoraCheckpoint: adapters only, and the base reference
         if self.distiller is not None:  # the teacher's file and checksum, never its weights
             checkpoint["teacher"] = self.distiller.provenance()
+        # A sharded checkpoint keeps logit_scale / logit_bias (1,) (FSDP2 shards no 0-d tensor):
+        # the one reader gives them back open_clip's 0-d shape when it consolidates the folder.
+        checkpoint[SCALAR_KEYS] = [f"model.{k}" for k in ("logit_scale", "logit_bias")
+                                   if getattr(self.model, k, None) is not None]
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # CLIP sec. 2.5: the temperature is clipped so logits are scaled by at most 100.

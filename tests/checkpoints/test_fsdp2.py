@@ -1,0 +1,191 @@
+"""FSDP2 through the real CLI (configs/trainer/fsdp2_cpu.yaml, 2 gloo processes, validation on).
+
+What users rely on: an FSDP2 run trains the weights a DDP run trains (MAE, and CLIP with its
+cross-rank contrastive gather), a SIGKILL loses nothing (``--ckpt_path last`` ends bit-exactly
+where the uninterrupted run ends), the sharded checkpoint resumes on another number of
+processes with exactly the saved weights, and every reader takes the folder. Validation runs on
+one held-out shard, so rank 1 has no batch: under FSDP2 that once needed a collective it never joined.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import runpy
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmssl.checkpoints.read import UnsafeCheckpointError, read_checkpoint, read_dcp_metadata
+from mmssl.checkpoints.resume import inspect_checkpoint, run_checkpoints
+from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl
+
+FSDP2 = ["--config", str(REPO / "configs/trainer/fsdp2_cpu.yaml"), PG_TIMEOUT]
+DDP = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT]
+ONE = ["--trainer.devices=1", "--trainer.strategy.init_args.data_parallel_size=1"]
+TINY_MAE = ["--model.init_args.embed_dim=32", "--model.init_args.depth=2", "--model.init_args.num_heads=2",
+            "--model.init_args.decoder_embed_dim=32", "--model.init_args.decoder_depth=1",
+            "--model.init_args.decoder_num_heads=2"]
+
+
+def _args(recipe: str, root: Path, demo, model: list[str], steps: int) -> list[str]:
+    val = f"{os.path.dirname(demo.val)}/0.tar"  # one shard: rank 1 validates nothing
+    return [
+        "fit", "--config", str(REPO / f"configs/demo/{recipe}.yaml"), *model,
+        f"--data.init_args.demo_dir={demo.root}", f"--data.init_args.val_data={val}",
+        "--data.init_args.batch_size=4", "--data.init_args.num_workers=1",
+        f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
+        f"--trainer.max_steps={steps}", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_last=true",
+        "--trainer.callbacks.save_top_k=-1", f"--trainer.callbacks.dirpath={root}/kept",
+        "--trainer.callbacks.filename={step}",
+        "--trainer.callbacks+=tests.helpers.DumpParams", f"--trainer.callbacks.folder={root}/params",
+        "--trainer.callbacks+=tests.helpers.DumpStartParams", f"--trainer.callbacks.folder={root}/params",
+    ]
+
+
+def _params(root: Path, name: str = "rank0.pt") -> dict[str, torch.Tensor]:
+    return torch.load(root / "params" / name, weights_only=True)
+
+
+def _ok(proc) -> None:
+    assert proc.returncode == 0, proc.stdout[-4000:]
+
+
+@pytest.fixture(scope="module")
+def mae_runs(tmp_path_factory, tiny_demo):
+    """A 2-process FSDP2 MAE run of 4 steps, the same under DDP, and an FSDP2 run SIGKILLed at
+    step 3 (its newest checkpoint: step 2) then resumed with --ckpt_path last."""
+    tmp = tmp_path_factory.mktemp("fsdp2_mae")
+    runs = {name: tmp / name for name in ("fsdp2", "ddp", "killed")}
+    _ok(run_mmssl([*_args("mae", runs["fsdp2"], tiny_demo, TINY_MAE, 4), *FSDP2], tmp, timeout=240))
+    _ok(run_mmssl([*_args("mae", runs["ddp"], tiny_demo, TINY_MAE, 4), *DDP], tmp, timeout=240))
+    kill = ["--trainer.callbacks+=tests.helpers.KillAtStep", "--trainer.callbacks.step=3"]
+    killed = run_mmssl([*_args("mae", runs["killed"], tiny_demo, TINY_MAE, 4), *FSDP2, *kill], tmp, timeout=240,
+                       killed=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-4000:]
+    shutil.copytree(runs["killed"] / "kept" / "step=2.ckpt", tmp / "step2.ckpt")
+    _ok(run_mmssl([*_args("mae", runs["killed"], tiny_demo, TINY_MAE, 4), *FSDP2, "--ckpt_path", "last"],
+                  tmp, timeout=240))
+    return tmp, runs
+
+
+def test_fsdp2_mae_trains_as_ddp_and_a_sigkill_resumes_bit_exactly(mae_runs):
+    tmp, runs = mae_runs
+    fsdp2, ddp, resumed = _params(runs["fsdp2"]), _params(runs["ddp"]), _params(runs["killed"])
+    assert fsdp2.keys() == ddp.keys()
+    # FSDP2 reduce-scatters where DDP all-reduces: the same mean in another summation order.
+    for key in fsdp2:
+        torch.testing.assert_close(fsdp2[key], ddp[key], rtol=1e-4, atol=1e-5, msg=key)
+    moved = [k for k in fsdp2 if not torch.equal(fsdp2[k], _params(runs["fsdp2"], "start_rank0.pt")[k])]
+    assert moved, "the FSDP2 run never changed its weights"
+    differ = [k for k in fsdp2 if not torch.equal(fsdp2[k], resumed[k])]
+    assert not differ, f"the resumed run ends elsewhere than the uninterrupted one: {differ}"
+    # Each rank ends with the same whole weights: one model, sharded, not two replicas.
+    assert all(torch.equal(fsdp2[k], _params(runs["fsdp2"], "rank1.pt")[k]) for k in fsdp2)
+    # Validation logged on both runs, with rank 1 holding no held-out batch.
+    assert last_metrics(runs["fsdp2"] / "version_0")["val/loss"] == pytest.approx(
+        last_metrics(runs["ddp"] / "version_0")["val/loss"], rel=1e-4)
+    # The checkpoints are DCP folders, complete, and --ckpt_path last continued the killed run's folder.
+    last = runs["killed"] / "version_0" / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and (last / ".metadata").is_file() and inspect_checkpoint(str(last)) == (4, None)
+
+
+def test_a_sharded_checkpoint_resumes_on_one_and_three_processes_with_its_weights(mae_runs, tiny_demo):
+    tmp, runs = mae_runs
+    saved = read_checkpoint(str(tmp / "step2.ckpt"))
+    assert saved["global_step"] == 2
+    for ranks in (1, 3):
+        root = tmp / f"on{ranks}"
+        world = ONE if ranks == 1 else ["--trainer.devices=3", "--trainer.strategy.init_args.data_parallel_size=3"]
+        _ok(run_mmssl([*_args("mae", root, tiny_demo, TINY_MAE, 4), *FSDP2, *world,
+                       "--ckpt_path", str(tmp / "step2.ckpt")], tmp, timeout=300))
+        start = _params(root, "start_rank0.pt")
+        differ = [k for k in saved["state_dict"] if not torch.equal(start[k], saved["state_dict"][k])]
+        assert not differ, f"{ranks} process(es) resumed other weights than the checkpoint's: {differ}"
+        assert inspect_checkpoint(str(root / "version_0" / "checkpoints" / "last.ckpt"))[0] == 4
+
+
+def test_fsdp2_clip_trains_as_ddp_and_every_reader_takes_its_folder(tmp_path, tiny_demo, tiny_clip_json, monkeypatch):
+    model = [f"--model.init_args.model_name={tiny_clip_json}"]
+    for name, strategy in (("fsdp2", FSDP2), ("ddp", DDP)):
+        _ok(run_mmssl([*_args("clip", tmp_path / name, tiny_demo, model, 3), *strategy], tmp_path, timeout=240))
+    fsdp2, ddp = _params(tmp_path / "fsdp2"), _params(tmp_path / "ddp")
+    for key in ddp:  # logit_scale is (1,) in the sharded module, 0-d in open_clip's
+        torch.testing.assert_close(fsdp2[key].reshape(ddp[key].shape), ddp[key], rtol=1e-4, atol=1e-5, msg=key)
+    got, want = last_metrics(tmp_path / "fsdp2" / "version_0"), last_metrics(tmp_path / "ddp" / "version_0")
+    for key in ("val/loss", "val/t2i_R@1", "val/zero_shot_top1"):
+        assert got[key] == pytest.approx(want[key], abs=1e-4), key
+    # The folder read as one checkpoint: open_clip's 0-d scalars, and the DDP run's weights.
+    folder = tmp_path / "fsdp2" / "kept" / "step=3.ckpt"  # written after the last step
+    checkpoint = read_checkpoint(str(folder))
+    assert checkpoint["global_step"] == 3
+    state = checkpoint["state_dict"]
+    assert state["model.logit_scale"].shape == ()
+    torch.testing.assert_close(state["model.logit_scale"], ddp["model.logit_scale"], rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(sys, "argv", ["export.py", "--ckpt", str(folder), "--format", "open_clip",
+                                      "--output", str(tmp_path / "clip.pth")])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO / "tools" / "export.py"), run_name="__main__")
+    assert not exit_.value.code
+    exported = torch.load(tmp_path / "clip.pth", weights_only=True)
+    torch.testing.assert_close(exported["logit_scale"], ddp["model.logit_scale"], rtol=1e-4, atol=1e-5)
+
+
+def _folder(tmp_path: Path) -> Path:
+    """A small DCP folder written in this process (no process group), as a sharded save lays it out."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "last.ckpt"
+    dcp.save({"state_dict": {"w": torch.arange(6.0)}}, checkpoint_id=folder, no_dist=True)
+    torch.save({"global_step": 7}, folder / "meta.pt")
+    return folder
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_a_torn_or_crafted_folder_is_named_and_never_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = _folder(tmp_path)
+    assert inspect_checkpoint(str(folder)) == (7, None)
+    assert read_checkpoint(str(folder))["state_dict"]["w"].tolist() == list(range(6))
+    shard = next(folder.glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-10])  # truncated
+    with pytest.raises(ValueError, match=rf"{shard.name}.*truncated"):
+        read_dcp_metadata(str(folder))
+    assert "incomplete sharded checkpoint" in inspect_checkpoint(str(folder))[1]
+    shard.unlink()  # missing
+    with pytest.raises(FileNotFoundError, match=rf"shard {shard.name}.* missing"):
+        read_dcp_metadata(str(folder))
+    shard.write_bytes(data)
+    (folder / ".metadata").write_bytes(pickle.dumps(_Boom()))  # crafted
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata.*posix\.system|\.metadata.*os\.system"):
+        read_checkpoint(str(folder))
+    assert not (tmp_path / "pwned").exists()
+    (folder / ".metadata").unlink()  # a save killed before DCP's last write
+    assert not (folder / ".metadata").exists() and inspect_checkpoint(str(folder))[0] is None
+
+
+def test_a_save_killed_between_its_renames_still_resumes(tmp_path):
+    """The previous folder set aside under its hidden name is a resume candidate; a half-written
+    folder (no .metadata, hidden .partial name) never is."""
+    from mmssl.checkpoints.sharded import OLD, PARTIAL, hidden_name
+
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    previous = _folder(tmp_path)
+    aside = hidden_name(checkpoints / "last.ckpt", OLD)
+    os.rename(previous, aside)
+    (hidden_name(checkpoints / "last.ckpt", PARTIAL)).mkdir()
+    assert run_checkpoints(str(tmp_path)) == [str(aside)]
+    assert inspect_checkpoint(str(aside)) == (7, None)
