@@ -97,19 +97,23 @@ def test_fsdp2_mae_trains_as_ddp_and_a_sigkill_resumes_bit_exactly(mae_runs):
     assert last.is_dir() and (last / ".metadata").is_file() and inspect_checkpoint(str(last)) == (4, None)
 
 
-def test_a_sharded_checkpoint_resumes_on_one_and_three_processes_with_its_weights(mae_runs, tiny_demo):
+@pytest.mark.parametrize("where", ["fsdp2 on 1", "fsdp2 on 3", "ddp from the folder", "fsdp2 from a ddp file"])
+def test_a_checkpoint_resumes_elsewhere_with_exactly_its_weights(where, mae_runs, tiny_demo):
+    """DCP reshards a folder to any number of ranks; a folder resumes under DDP (consolidated) and
+    a DDP run's file under FSDP2 (scattered into the shards). The resumed run starts from the
+    checkpoint's weights exactly and finishes."""
     tmp, runs = mae_runs
-    saved = read_checkpoint(str(tmp / "step2.ckpt"))
-    assert saved["global_step"] == 2
-    for ranks in (1, 3):
-        root = tmp / f"on{ranks}"
-        world = ONE if ranks == 1 else ["--trainer.devices=3", "--trainer.strategy.init_args.data_parallel_size=3"]
-        _ok(run_mmssl([*_args("mae", root, tiny_demo, TINY_MAE, 4), *FSDP2, *world,
-                       "--ckpt_path", str(tmp / "step2.ckpt")], tmp, timeout=300))
-        start = _params(root, "start_rank0.pt")
-        differ = [k for k in saved["state_dict"] if not torch.equal(start[k], saved["state_dict"][k])]
-        assert not differ, f"{ranks} process(es) resumed other weights than the checkpoint's: {differ}"
-        assert inspect_checkpoint(str(root / "version_0" / "checkpoints" / "last.ckpt"))[0] == 4
+    source = runs["ddp"] / "kept" / "step=2.ckpt" if where.endswith("ddp file") else tmp / "step2.ckpt"
+    saved = read_checkpoint(str(source))
+    assert saved["global_step"] == 2 and source.is_dir() != where.endswith("ddp file")
+    world = {"fsdp2 on 1": [*FSDP2, *ONE], "ddp from the folder": DDP, "fsdp2 from a ddp file": FSDP2,
+             "fsdp2 on 3": [*FSDP2, "--trainer.devices=3", "--trainer.strategy.init_args.data_parallel_size=3"]}[where]
+    root = tmp / where.replace(" ", "_")
+    _ok(run_mmssl([*_args("mae", root, tiny_demo, TINY_MAE, 3), *world, "--ckpt_path", str(source)], tmp, timeout=300))
+    start = _params(root, "start_rank0.pt")
+    differ = [k for k in saved["state_dict"] if not torch.equal(start[k], saved["state_dict"][k])]
+    assert not differ, f"{where}: resumed other weights than the checkpoint's: {differ}"
+    assert inspect_checkpoint(str(root / "kept" / "step=3.ckpt"))[0] == 3
 
 
 def test_fsdp2_clip_trains_as_ddp_and_every_reader_takes_its_folder(tmp_path, tiny_demo, tiny_clip_json, monkeypatch):
