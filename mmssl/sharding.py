@@ -144,6 +144,13 @@ def shard_module(module: nn.Module, mesh: Any, policy: ShardingPolicy) -> None:
     # The root's parameters (embeddings, norms, heads): the last all-gather of the forward. The
     # root stays gathered after the forward (its backward comes first), as torchtitan does.
     fully_shard(module, mesh=mesh, **{**kwargs, "reshard_after_forward": False})
+    # FSDP2 gathers a unit's parameters in hooks on its ``forward``; a model whose training step
+    # enters its network through another method (CoCa's ``losses`` calls open_clip's model, not
+    # the LightningModule) names it, and that method gathers the root's parameters too.
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    for name in getattr(module, "fsdp_forward_methods", ()):
+        register_fsdp_forward_method(module, name)
 
 
 def check_sharded(module: nn.Module, trainer: Any) -> None:

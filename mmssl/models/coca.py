@@ -193,6 +193,9 @@ class CoCa(CLIP):
         out = self.model(images, tokens)
         return out["image_features"], out["text_features"], self._caption_sum(out["logits"], out["labels"])[0]
 
+    # Under FSDP2 the root's parameters are gathered for these as for ``forward`` (mmssl.sharding).
+    fsdp_forward_methods = ("losses",)
+
     def losses(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """This rank's weighted (contrastive, caption) losses; their mean over ranks is the loss
         of one process on the concatenated batch (see the module docstring).
