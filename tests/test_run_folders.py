@@ -82,12 +82,19 @@ def test_last_passes_over_truncated_and_empty_files_for_the_newest_complete_one(
         plan_run(str(tmp_path), str(ckpts / "last.ckpt"), env={})  # given explicitly: an error naming it
 
 
-def test_last_on_a_root_whose_latest_run_has_no_checkpoint_opens_a_new_folder(tmp_path):
-    _ckpt(tmp_path / "version_0" / "checkpoints" / "last.ckpt", 8)
-    (tmp_path / "version_1").mkdir()  # the latest run stopped before its first checkpoint
+def test_last_takes_the_newest_training_run_with_a_checkpoint_past_folders_without_one(tmp_path):
+    """#44: `mmssl validate` and runs that fail at start-up reserve folders with no checkpoint;
+    `--ckpt_path last` after them continues the training run, not step 0 in yet another folder."""
+    last = _ckpt(tmp_path / "version_0" / "checkpoints" / "last.ckpt", 8)
+    (tmp_path / "version_1").mkdir()  # a validate run's folder: logs, no checkpoint
+    (tmp_path / "version_2").mkdir()  # a run that failed at start-up
     plan = plan_run(str(tmp_path), "last", env={})
-    assert (plan.version, plan.ckpt_path, plan.continued) == (2, None, False)
-    assert "no complete checkpoint in the latest run folder" in plan.notes[0]
+    assert (plan.version, plan.ckpt_path, plan.resume_step, plan.continued) == (0, str(last), 8, True)
+    empty = tmp_path / "empty"
+    (empty / "version_0").mkdir(parents=True)
+    plan = plan_run(str(empty), "last", env={})
+    assert (plan.version, plan.ckpt_path, plan.continued) == (1, None, False)
+    assert "no complete checkpoint in any run folder" in plan.notes[0]
     # A configured ModelCheckpoint(dirpath=...) is outside every run folder: resumed in a new one.
     shared = _ckpt(tmp_path / "shared" / "last.ckpt", 3)
     plan = plan_run(str(tmp_path), "last", [str(shared.parent)], env={})

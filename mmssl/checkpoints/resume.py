@@ -268,14 +268,17 @@ def plan_run(root: str, ckpt_path: Optional[str], checkpoint_dirs: Sequence[str]
                          "checkpoint: starting at step 0 in a new run folder"
                          + (f" (its folders: {', '.join(f'version_{v}' for v in mine)})" if mine else ""))
     elif ckpt_path in ("last", "hpc"):
-        latest = versions(root)[-1:]
+        # Newest folder first, down to the first with a complete checkpoint: a folder without one
+        # (a run that failed at start-up, or `mmssl validate`'s, which writes no checkpoint) does
+        # not hide the training run before it.
+        newest_first = versions(root)[::-1]
         extra = [p for d in checkpoint_dirs for p in glob.glob(os.path.join(glob.escape(d), "last*.ckpt"))]
-        plan = _resume_in(root, latest, () if ckpt_path == "hpc" else extra, ckpt_path == "hpc", notes)
+        plan = _resume_in(root, newest_first, () if ckpt_path == "hpc" else extra, ckpt_path == "hpc", notes)
         if plan is None and ckpt_path == "hpc":
-            raise ValueError(f"--ckpt_path hpc: no complete hpc_ckpt_*.ckpt in the latest run folder of {root}"
+            raise ValueError(f"--ckpt_path hpc: no complete hpc_ckpt_*.ckpt in any run folder of {root}"
                              + "".join(f"; {n}" for n in notes))
         if plan is None:
-            notes.append(f"--ckpt_path last: no complete checkpoint in the latest run folder of {root}: "
+            notes.append(f"--ckpt_path last: no complete checkpoint in any run folder of {root}: "
                          "starting at step 0 in a new run folder")
         elif not fit:  # validate/test/predict write their own folder
             plan = RunPlan("", -1, plan.ckpt_path, plan.resume_step)
