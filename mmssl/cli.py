@@ -112,6 +112,16 @@ class MMSSLCLI(LightningCLI):
                 # by this process, for another run, must not take this run's folder.
                 os.environ.pop(RUN_ENV, None)
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        # LightningCLI then reads the checkpoint's hyper-parameters with a bare torch.load: a
+        # truncated, empty or code-bearing file would fail there with miniz's, pickle's or EOF's
+        # own words. Checked first, through the one reader, with an error naming the file.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if isinstance(ckpt_path, str) and os.path.isfile(ckpt_path):
+            check_checkpoint(ckpt_path)
+
     def before_instantiate_classes(self) -> None:
         # After parsing, so that `--help` and `--print_config` work whatever the environment holds.
         if self.sigterm_watchdog:

@@ -186,3 +186,29 @@ def test_three_runs_started_together_get_three_folders(tmp_path, tiny_demo):
         assert loss_steps(run) == Counter({0: 1, 1: 1, 2: 1}), run
         assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
     assert not [out for out in outputs if "will be deleted" in out]  # each folder is its run's own
+
+
+class _Code:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+@pytest.mark.parametrize("bad", ["empty", "truncated", "code"])
+def test_fit_from_a_bad_checkpoint_file_fails_naming_it_before_lightning_reads_it(bad, tmp_path, tiny_demo,
+                                                                               monkeypatch):
+    """#44 item 11: LightningCLI reads a --ckpt_path file's hyper-parameters at parse time, and
+    failed there with miniz's, EOF's or pickle's own words; mmssl's check comes first."""
+    from mmssl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / f"{bad}.ckpt"
+    if bad == "empty":
+        path.write_bytes(b"")
+    elif bad == "truncated":
+        _truncated(path, _ckpt(tmp_path / "whole.ckpt", 3))
+    else:
+        torch.save({"global_step": 1, "x": _Code()}, path)
+    config = tiny_config(tmp_path, tiny_demo.root, max_steps=1)
+    with pytest.raises(ValueError, match=rf"checkpoint {path} is .*(empty|truncated|pickles posix.system)"):
+        main(["fit", "--config", config, "--ckpt_path", str(path), f"--trainer.default_root_dir={tmp_path / 'runs'}"])
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "runs").exists()

@@ -115,7 +115,7 @@ def check_checkpoint(path: str) -> int:
     step, problem = inspect_checkpoint(path)
     if problem:
         raise ValueError(f"checkpoint {path} is {problem}; pass another checkpoint, or --ckpt_path last "
-                         "to take the newest complete one of the latest run")
+                         "to take the newest complete one of the run folders")
     return step
 
 
