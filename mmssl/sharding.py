@@ -118,13 +118,17 @@ def shard_model(module: nn.Module, trainer: Any) -> bool:
 
     Raises:
         ValueError: tensor parallelism was asked for (``tensor_parallel_size`` > 1): mmssl's
-            models shard data-parallel only.
+            models shard data-parallel only; or the model's ``sharding_refusal()`` names a reason
+            (LoRA adapters), at start-up, naming the model and the key.
     """
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     strategy = getattr(trainer, "strategy", None)
     if not isinstance(strategy, ModelParallelStrategy) or is_fsdp2(module):
         return False
+    refusal = getattr(module, "sharding_refusal", lambda: None)()
+    if refusal:
+        raise ValueError(f"{type(module).__name__} under {type(strategy).__name__} (FSDP2): {refusal}")
     mesh = strategy.device_mesh
     if mesh["tensor_parallel"].size() != 1:
         raise ValueError(f"{type(module).__name__}: trainer.strategy.init_args.tensor_parallel_size must be 1 "

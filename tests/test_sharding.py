@@ -46,3 +46,15 @@ def test_a_model_that_applies_no_fully_shard_is_refused_naming_it():
     with pytest.raises(ValueError, match="Replica does not support ModelParallelStrategy"):
         check_sharded(Replica(), trainer)
     check_sharded(Replica(), SimpleNamespace(strategy=None))  # any other strategy: nothing to check
+
+
+def test_lora_is_refused_under_fsdp2_at_start_up_naming_the_key():
+    from mmssl.models.lora import LoraCheckpoint
+    from mmssl.sharding import shard_model
+
+    class Adapted(LoraCheckpoint, LightningModule):
+        lora_base = {"pretrained": {"path": "base.pth", "sha256": "0" * 64}}
+
+    with pytest.raises(ValueError, match=r"Adapted under FSDP2Strategy \(FSDP2\): model.init_args.lora: .*DDP"):
+        shard_model(Adapted(), SimpleNamespace(strategy=FSDP2Strategy()))
+    assert not shard_model(Adapted(), SimpleNamespace(strategy=None))  # DDP / one device: nothing to shard

@@ -306,6 +306,16 @@ class LoraCheckpoint:
 
     lora_base: Optional[dict[str, dict[str, str]]] = None
 
+    def sharding_refusal(self) -> Optional[str]:
+        """Why this model cannot be sharded with FSDP2, or ``None`` (``mmssl.sharding``)."""
+        if self.lora_base:
+            # peft's LoRA on nn.MultiheadAttention (open_clip's towers) hands the adapted weight to
+            # the attention outside the block's module tree, which fully_shard refuses ("Some
+            # parameters are not in the module tree"); LoRA trains few parameters: DDP fits it.
+            return ("model.init_args.lora: LoRA adapters are not sharded by FSDP2 in mmssl; train LoRA with DDP "
+                    "(configs/trainer/ddp.yaml, ddp_cpu.yaml)")
+        return None
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
         if self.lora_base:
