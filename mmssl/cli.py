@@ -30,6 +30,7 @@ from mmssl.checkpoints.sharded import SafeCheckpointIO
 from mmssl.checkpoints.resume import (
     RUN_ENV, check_checkpoint, export_plan, is_global_rank_zero, newest_complete, plan_run, run_checkpoints, versions,
 )
+from mmssl.commands import dispatch
 from mmssl.signals import install_sigterm_watchdog
 
 
@@ -322,7 +323,12 @@ def cli_main(args: Optional[list[str]] = None, sigterm_watchdog: bool = False) -
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """Entry point of the ``mmssl`` console script; ``args`` replaces ``sys.argv[1:]`` in tests."""
+    """Entry point of the ``mmssl`` console script; ``args`` replaces ``sys.argv[1:]`` in tests.
+
+    A tool or ``mmssl configs`` runs and exits here (:func:`mmssl.commands.dispatch`); a run goes on
+    to LightningCLI with each ``--config`` recipe name resolved to its file.
+    """
+    args = dispatch(args)
     try:
         cli_main(args, sigterm_watchdog=True)
     except RuntimeError as err:

@@ -9,9 +9,9 @@ at fault (:func:`run`); a usage error exits 2 (argparse's ``SystemExit(2)``, als
 A spelling a user may have in scripts stays accepted as a hidden, deprecated alias
 (:func:`add_option`): not shown in ``--help`` except as a note in the new option's help.
 
-The tools import this as ``tools._common`` (each puts the repository root on ``sys.path``, as
-``tools/benchmark.py`` does for ``benchmarks/``), so a tool runs as ``python tools/X.py`` and loads
-by path (``runpy``, ``importlib``) alike.
+The tools import this as ``mmssl.tools._common``: the package maps this folder to ``mmssl.tools``
+(setup.py; an editable install too), so a tool runs alike as ``mmssl X``, ``python -m mmssl.tools.X``,
+``python tools/X.py`` in a clone and loaded by path (``runpy``, ``importlib``).
 """
 
 from __future__ import annotations

@@ -22,13 +22,20 @@ import os
 import sys
 from pathlib import Path
 
-# The harness lives in benchmarks/ beside the package (mmssl itself never imports it).
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: benchmarks/, tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+from mmssl.tools._common import add_output_json, run
 
-from benchmarks.bench import benchmark, cpu_bf16_warning, format_report  # noqa: E402
-from tools._common import add_output_json, run  # noqa: E402
+# The harness lives in a clone's benchmarks/ beside the package: mmssl never imports it and the
+# wheel does not ship it. Only a clone's root goes on sys.path (an installed tool's parents[1] is
+# the mmssl package, whose subpackages must not become top-level modules).
+_ROOT = Path(__file__).resolve().parents[1]
+if (_ROOT / "benchmarks" / "bench.py").is_file() and str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+try:
+    from benchmarks.bench import benchmark, cpu_bf16_warning, format_report
+except ModuleNotFoundError as err:
+    if err.name != "benchmarks":
+        raise
+    benchmark = cpu_bf16_warning = format_report = None  # an installed mmssl: _run says so
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> None:
+    if benchmark is None:
+        raise FileNotFoundError(errno.ENOENT, "the benchmark harness is in a clone of the mmssl repository only "
+                                "(not in the installed package): run python tools/benchmark.py there", "benchmarks/")
     if not os.path.isfile(args.config):  # before any model or peer is built
         raise FileNotFoundError(errno.ENOENT, "--config: no such file", args.config)
     overrides = list(args.overrides)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -33,11 +32,7 @@ from mmssl.evaluation.captions import generate_captions, names_class
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
 from mmssl.evaluation.offline import emit_report
 from mmssl.models.generation import GENERATION_TYPES
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._common import add_loader_arguments, add_option, add_output_json, run  # noqa: E402
+from mmssl.tools._common import add_loader_arguments, add_option, add_output_json, run
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_encoder
@@ -30,11 +29,7 @@ from mmssl.evaluation.features import FEATURES
 from mmssl.evaluation.report import compare, compare_markdown, write_report
 from mmssl.evaluation.runner import Runner
 from mmssl.evaluation.suite import Suite, load_suite
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._common import add_loader_arguments, add_output_json, run  # noqa: E402
+from mmssl.tools._common import add_loader_arguments, add_output_json, run
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -29,15 +29,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from mmssl.evaluation.encoders import add_ema_argument
 from mmssl.export import FORMATS, export_checkpoint
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._common import run  # noqa: E402
+from mmssl.tools._common import run
 
 
 def main(argv: list[str] | None = None) -> int:

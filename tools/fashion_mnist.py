@@ -27,11 +27,7 @@ import numpy as np
 from PIL import Image
 
 from mmssl.data.shards import prepare_output, write_clip_benchmark_files, write_samples
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._common import add_option, run  # noqa: E402
+from mmssl.tools._common import add_option, run
 
 DEFAULT_SOURCE = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
 # Label order of the idx files (Xiao et al. 2017, github.com/zalandoresearch/fashion-mnist).

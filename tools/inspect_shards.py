@@ -11,14 +11,9 @@ difference as bad samples). Exits with status 1 when a sample, shard or ``sizes.
 
 import argparse
 import sys
-from pathlib import Path
 
 from mmssl.data.shards import inspect_shards
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._common import run  # noqa: E402
+from mmssl.tools._common import run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,16 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
 from mmssl.evaluation.offline import emit_report, linear_probe_report
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._common import add_loader_arguments, add_output_json, run  # noqa: E402
+from mmssl.tools._common import add_loader_arguments, add_output_json, run
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

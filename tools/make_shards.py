@@ -26,11 +26,7 @@ from pathlib import Path
 
 from mmssl.data.folders import folder_items, shuffled
 from mmssl.data.shards import table_items, write_clip_benchmark_files, write_shards
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._common import add_option, run  # noqa: E402
+from mmssl.tools._common import add_option, run
 
 
 def number_shards(folder: str, sizes: dict[str, int]) -> dict[str, int]:

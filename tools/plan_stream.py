@@ -11,15 +11,10 @@ to the next (see ``mmssl.data.plan``).
 
 import argparse
 import sys
-from pathlib import Path
 
 from mmssl.data.plan import Topology, describe
 from mmssl.data.sources import expand_urls, shard_sizes
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._common import add_loader_arguments, run  # noqa: E402
+from mmssl.tools._common import add_loader_arguments, run
 
 
 def main(argv: list[str] | None = None) -> int:

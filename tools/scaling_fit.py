@@ -18,18 +18,13 @@ import json
 import math
 import os
 import sys
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
+from mmssl.tools._common import run
 from mmssl.visualize.figures import curves_figure, save_png, scaling_figure
 from mmssl.visualize.scaling import fit_power_law, pool_points, read_run
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._common import run  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -14,18 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
+from mmssl.tools._common import add_images, output_names, run
 from mmssl.visualize.figures import overlay_grid, save_png
 from mmssl.visualize.inputs import load_images
 from mmssl.visualize.similarity import similarity_maps
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._common import add_images, output_names, run  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -37,11 +36,7 @@ from mmssl.data.teacher_embeddings import FORMAT, MANIFEST, side_file, write_sid
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.encoders import add_ema_argument
 from mmssl.models.teacher import Teacher, load_teacher
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._common import add_loader_arguments, add_output_json, run  # noqa: E402
+from mmssl.tools._common import add_loader_arguments, add_output_json, run
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

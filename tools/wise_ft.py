@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -37,11 +36,7 @@ from mmssl.checkpoints.interpolate import DEFAULT_ALPHAS, check_alphas
 from mmssl.checkpoints.io import atomic_torch_save
 from mmssl.evaluation.encoders import add_ema_argument
 from mmssl.export.paths import check_output
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the repository root: tools._common
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-from tools._common import add_loader_arguments, add_output_json, run  # noqa: E402
+from mmssl.tools._common import add_loader_arguments, add_output_json, run
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
