@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mmssl.callbacks import EMA
-from mmssl.callbacks.ema import ema_decay
+from mmssl.callbacks.ema import EVALUATE, ema_decay
 from mmssl.checkpoints.load import load_lightning, read_lightning
 from mmssl.checkpoints.read import read_state_dict
 from mmssl.export import export_checkpoint, to_timm
@@ -159,3 +159,68 @@ def test_ema_of_a_checkpoint_without_one_is_refused_naming_the_file(tmp_path, ca
     err = capsys.readouterr().err
     assert err.startswith("export: ") and "plain.ckpt" in err and "--ema" in err and err.count("\n") == 1
     assert not (tmp_path / "x.pth").exists()
+
+
+class _ValNet(_BNNet):
+    """_BNNet whose validation logs a figure of its weights: which weights were validated is read off it."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/w", self.net[1].weight.sum())  # the BatchNorm scale: what the loss moves
+
+
+def _weights_figure(state: dict[str, torch.Tensor]) -> float:
+    return float(state["net.1.weight"].sum())
+
+
+def _fit(tmp_path: Path, evaluate: str) -> tuple[pl.Trainer, _ValNet, EMA, _Record]:
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 4)), batch_size=4)
+    record, ema = _Record(), EMA(decay=0.7, evaluate=evaluate)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[record, ema], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu",
+                         num_sanity_val_steps=0, enable_checkpointing=False)
+    model = _ValNet()
+    trainer.fit(model, data, val_dataloaders=data)
+    return trainer, model, ema, record
+
+
+@pytest.mark.parametrize("evaluate", ["raw", "ema", "both"])
+def test_fit_validates_and_ends_with_the_weights_evaluate_names(tmp_path, evaluate):
+    trainer, model, ema, record = _fit(tmp_path, evaluate)
+    raw, averaged = record.states[-1], ema.averaged_module().state_dict()
+    assert abs(_weights_figure(raw) - _weights_figure(averaged)) > 1e-3  # the two are told apart
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    want = {"raw": {"val/w": _weights_figure(raw)}, "ema": {"val/w": _weights_figure(averaged)},
+            "both": {"val/w": _weights_figure(raw), "val/w_ema": _weights_figure(averaged)}}[evaluate]
+    assert logged == pytest.approx(want, abs=1e-5)
+    # After fit the module holds the averaged weights with ``ema`` (Lightning's WeightAveraging), else the raw ones.
+    end = averaged if evaluate == "ema" else raw
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, end[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_validate_of_an_ema_checkpoint_scores_the_weights_evaluate_names(tmp_path):
+    trainer, model, ema, record = _fit(tmp_path, "raw")
+    path = tmp_path / "ema.ckpt"
+    trainer.save_checkpoint(path)
+    raw, averaged = _weights_figure(record.states[-1]), _weights_figure(ema.averaged_module().state_dict())
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    want = {"raw": {"val/w": raw}, "ema": {"val/w": averaged}, "both": {"val/w": raw, "val/w_ema": averaged}}
+    for evaluate, figures in want.items():
+        validator = pl.Trainer(callbacks=[EMA(decay=0.7, evaluate=evaluate)], logger=False, enable_progress_bar=False,
+                               enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu")
+        [logged] = validator.validate(_ValNet(), data, ckpt_path=str(path), verbose=False)
+        assert logged == pytest.approx(figures, abs=1e-5), evaluate
+    # A checkpoint without an average: raw scores its weights, ema and both are refused before any batch.
+    checkpoint = torch.load(path, weights_only=True)
+    del checkpoint["current_model_state"], checkpoint["averaging_state"]
+    torch.save(checkpoint, tmp_path / "plain.ckpt")
+    for evaluate in EVALUATE:
+        validator = pl.Trainer(callbacks=[EMA(decay=0.7, evaluate=evaluate)], logger=False, enable_progress_bar=False,
+                               enable_model_summary=False, default_root_dir=tmp_path, accelerator="cpu")
+        if evaluate == "raw":
+            [logged] = validator.validate(_ValNet(), data, ckpt_path=str(tmp_path / "plain.ckpt"), verbose=False)
+            assert logged == pytest.approx({"val/w": averaged}, abs=1e-5)
+        else:
+            with pytest.raises(ValueError, match=f"evaluate='{evaluate}' needs --ckpt_path .*plain.ckpt: no averaged"):
+                validator.validate(_ValNet(), data, ckpt_path=str(tmp_path / "plain.ckpt"), verbose=False)
