@@ -98,9 +98,9 @@ def closest_recipes(name: str, n: int = 4) -> list[str]:
     """The shipped recipes whose names are nearest ``name`` (difflib), best first."""
     names = recipe_names()
     key = Path(name.replace("\\", "/").removeprefix("configs/")).with_suffix("").as_posix()
-    found = difflib.get_close_matches(key, names, n=n, cutoff=0.4)
-    # A bare recipe name ("clip") also matches the recipes of that file name in any folder.
-    found += [r for r in names if r.rsplit("/", 1)[-1] == key.rsplit("/", 1)[-1] and r not in found]
+    # The recipes of that file name in any folder first ("vit_b32": clip/vit_b32, coca/vit_b32).
+    found = [r for r in names if r.rsplit("/", 1)[-1] == key.rsplit("/", 1)[-1]]
+    found += [r for r in difflib.get_close_matches(key, names, n=n, cutoff=0.4) if r not in found]
     return found[:n]
 
 
