@@ -117,11 +117,13 @@ def test_a_checkpoint_resumes_elsewhere_with_exactly_its_weights(where, mae_runs
 
 
 def test_fsdp2_clip_trains_as_ddp_and_every_reader_takes_its_folder(tmp_path, tiny_demo, tiny_clip_json, monkeypatch):
-    model = [f"--model.init_args.model_name={tiny_clip_json}"]
+    # SigLIP's loss (gathered text columns), FLIP's per-rank masks and GradCache's chunks at once.
+    model = [f"--model.init_args.model_name={tiny_clip_json}", "--model.init_args.loss=siglip",
+             "--model.init_args.image_mask_ratio=0.5", "--model.init_args.contrastive_chunk_size=2"]
     for name, strategy in (("fsdp2", FSDP2), ("ddp", DDP)):
         _ok(run_mmssl([*_args("clip", tmp_path / name, tiny_demo, model, 3), *strategy], tmp_path, timeout=240))
     fsdp2, ddp = _params(tmp_path / "fsdp2"), _params(tmp_path / "ddp")
-    for key in ddp:  # logit_scale is (1,) in the sharded module, 0-d in open_clip's
+    for key in ddp:  # logit_scale / logit_bias are (1,) in the sharded module, 0-d in open_clip's
         torch.testing.assert_close(fsdp2[key].reshape(ddp[key].shape), ddp[key], rtol=1e-4, atol=1e-5, msg=key)
     got, want = last_metrics(tmp_path / "fsdp2" / "version_0"), last_metrics(tmp_path / "ddp" / "version_0")
     for key in ("val/loss", "val/t2i_R@1", "val/zero_shot_top1"):
@@ -193,3 +195,20 @@ def test_a_save_killed_between_its_renames_still_resumes(tmp_path):
     (hidden_name(checkpoints / "last.ckpt", PARTIAL)).mkdir()
     assert run_checkpoints(str(tmp_path)) == [str(aside)]
     assert inspect_checkpoint(str(aside)) == (7, None)
+
+
+@pytest.mark.parametrize("recipe", ["coca", "classifier"])
+def test_fsdp2_coca_and_the_classifier_train_as_ddp(recipe, tmp_path, tiny_demo, tiny_coca_json):
+    """CoCa enters its network through ``losses`` (registered with FSDP2), the classifier is a timm
+    ViT: both reach the DDP run's weights, validation on."""
+    model = [f"--model.init_args.model_name={tiny_coca_json}"] if recipe == "coca" else [
+        "--model.init_args.model_kwargs={patch_size: 8, embed_dim: 32, depth: 2, num_heads: 2}"]
+    config = "coca" if recipe == "coca" else "../finetune/demo"
+    for name, strategy in (("fsdp2", FSDP2), ("ddp", DDP)):
+        _ok(run_mmssl([*_args(config, tmp_path / name, tiny_demo, model, 2), *strategy], tmp_path, timeout=240))
+    fsdp2, ddp = _params(tmp_path / "fsdp2"), _params(tmp_path / "ddp")
+    assert fsdp2.keys() == ddp.keys()
+    for key in ddp:
+        torch.testing.assert_close(fsdp2[key].reshape(ddp[key].shape), ddp[key], rtol=1e-4, atol=1e-5, msg=key)
+    assert last_metrics(tmp_path / "fsdp2" / "version_0")["val/loss"] == pytest.approx(
+        last_metrics(tmp_path / "ddp" / "version_0")["val/loss"], rel=1e-4)
