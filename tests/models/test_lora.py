@@ -187,3 +187,27 @@ def test_wise_ft_mixes_a_lora_end_as_its_merged_weights(clip_base, tmp_path):
     assert any("attn" in k for k in moved) and any("c_fc" in k for k in moved)  # adapters merged into both kinds
     for key in moved:
         torch.testing.assert_close(half[key], 0.5 * (start[key] + end[key]))
+
+
+def test_adapters_are_scaled_by_alpha_over_r_in_the_model_and_in_every_merge(clip_base, tmp_path):
+    """r 2, alpha 8: each adapted layer computes ``W x + (alpha / r) B A x`` (LoRA eq. 3), and the
+    exported weights are ``W + (alpha / r) B A``, for a Linear (c_fc) and an attention's in_proj."""
+    json_path, base = clip_base
+    clip = CLIP(model_name=json_path, pretrained=str(base), lora={"r": 2, "alpha": 8}).eval()
+    _perturb_adapters(clip)
+    plain = CLIP(model_name=json_path, pretrained=str(base)).model.state_dict()
+    block = "visual.transformer.resblocks.0"
+    fc = clip.model.get_submodule(f"{block}.mlp.c_fc")
+    a, b = fc.lora_A["default"].weight, fc.lora_B["default"].weight  # (r, in), (out, r)
+    assert a.shape[0] == 2 and b.abs().max() > 0
+    fc_weight = plain[f"{block}.mlp.c_fc.weight"] + 4.0 * b @ a
+    x = torch.randn(3, a.shape[1])
+    with torch.no_grad():
+        torch.testing.assert_close(fc(x), x @ fc_weight.T + plain[f"{block}.mlp.c_fc.bias"], rtol=0, atol=1e-5)
+    attn = clip.model.get_submodule(f"{block}.attn")
+    in_a, in_b = attn.lora_A["default"].weight, attn.lora_B["default"].weight
+    in_proj = plain[f"{block}.attn.in_proj_weight"] + 4.0 * in_b @ in_a
+    _save(clip, tmp_path / "lora.ckpt")
+    state = export_checkpoint(str(tmp_path / "lora.ckpt"), "open_clip", str(tmp_path / "clip.pth"))
+    torch.testing.assert_close(state[f"{block}.mlp.c_fc.weight"], fc_weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(state[f"{block}.attn.in_proj_weight"], in_proj, rtol=0, atol=1e-6)
