@@ -79,11 +79,13 @@ def resolve_model_name(model_name: str) -> str:
     """
     if model_name.endswith(".json"):
         # Recipes name model configs relative to the repository root (configs/models/...); a run
-        # started elsewhere (or `mmssl validate` on a run folder's config.yaml) still finds them.
+        # started elsewhere (or `mmssl validate` on a run folder's config.yaml, or a tool of a wheel
+        # install reading a clone's checkpoint) still finds them.
         tried = [model_name]
         if not os.path.isabs(model_name):
-            tried.append(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-                os.path.abspath(__file__)))), model_name))
+            package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            # The clone's root, then the installed package, which ships configs/ as mmssl/configs.
+            tried += [os.path.join(os.path.dirname(package), model_name), os.path.join(package, model_name)]
         found = next((p for p in tried if os.path.isfile(p)), None)
         if found is None:
             raise FileNotFoundError(f"model.model_name: no model config file at {' or '.join(map(repr, tried))}")
