@@ -212,3 +212,52 @@ def test_fsdp2_coca_and_the_classifier_train_as_ddp(recipe, tmp_path, tiny_demo,
         torch.testing.assert_close(fsdp2[key].reshape(ddp[key].shape), ddp[key], rtol=1e-4, atol=1e-5, msg=key)
     assert last_metrics(tmp_path / "fsdp2" / "version_0")["val/loss"] == pytest.approx(
         last_metrics(tmp_path / "ddp" / "version_0")["val/loss"], rel=1e-4)
+
+
+def _save(strategy, folder: Path, step: int) -> None:
+    """``FSDP2Strategy.save_checkpoint`` in one process (no process group: DCP writes one shard)."""
+    strategy.save_checkpoint({"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step},
+                             str(folder))
+
+
+def test_a_failed_sharded_save_leaves_the_previous_folder_whole_and_nothing_half_written(tmp_path, monkeypatch):
+    """A full disk while the shards or meta.pt are written, and a kill between the two renames:
+    the previous checkpoint stays the one `--ckpt_path last` takes, whole."""
+    import errno
+    import warnings
+
+    from mmssl.checkpoints import sharded
+    from mmssl.checkpoints.sharded import FSDP2Strategy
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    checkpoints = tmp_path / "checkpoints"
+    last, strategy = checkpoints / "last.ckpt", FSDP2Strategy()
+    _save(strategy, last, 1)
+    assert inspect_checkpoint(str(last)) == (1, None)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:  # meta.pt, the last file, cannot be written
+        m.setattr(sharded, "atomic_torch_save", full)
+        with pytest.raises(OSError, match="No space left"):
+            _save(strategy, last, 2)
+    assert inspect_checkpoint(str(last)) == (1, None)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]  # no partial folder left
+    assert read_checkpoint(str(last))["state_dict"]["w"].tolist() == [1.0] * 4
+
+    def killed_after_setting_aside(src, dst):
+        if str(src).endswith(sharded.PARTIAL):  # the new folder's rename: the process dies here
+            raise KeyboardInterrupt
+        os.replace(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(sharded.os, "rename", killed_after_setting_aside)
+        with pytest.raises(KeyboardInterrupt):
+            _save(strategy, last, 3)
+    assert not last.exists()  # between the renames: the previous folder is set aside, complete
+    [aside] = run_checkpoints(str(tmp_path))
+    assert inspect_checkpoint(aside) == (1, None)
+    _save(strategy, last, 4)  # the next save clears what the killed one left
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
+    assert inspect_checkpoint(str(last)) == (4, None)
