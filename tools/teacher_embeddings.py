@@ -5,7 +5,9 @@
 
 Writes ``OUTPUT/<shard>.npz`` per shard (``keys``, ``image`` and ``text``: (N, D) float32,
 L2-normalised) and ``OUTPUT/teacher.json`` last (teacher file and SHA-256, width, logit scale,
-image size and normalisation), the side files :mod:`mmssl.data.teacher_embeddings` joins to the
+image size and normalisation), into a new folder beside ``OUTPUT`` that is renamed into place when
+whole: an interrupted run, ``--overwrite`` included, leaves ``OUTPUT`` as it was or (killed between
+the two renames of the swap) absent, never the side files of two teachers under one manifest. These are the side files :mod:`mmssl.data.teacher_embeddings` joins to the
 shards by sample key: train a student with ``--model.init_args.teacher_embeddings OUTPUT`` instead
 of ``--model.init_args.teacher FILE``. Images are seen as the teacher's eval transform shows them
 (resize, centre crop, its normalisation), captions through its own tokenizer. Samples that cannot
@@ -35,6 +37,7 @@ from mmssl.data.sources import expand_urls
 from mmssl.data.teacher_embeddings import FORMAT, MANIFEST, side_file, write_side_file
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.encoders import add_ema_argument
+from mmssl.export.paths import write_folder
 from mmssl.models.teacher import Teacher, load_teacher
 from mmssl.tools._common import add_loader_arguments, add_output_json, run
 
@@ -140,19 +143,25 @@ def _body(args: argparse.Namespace) -> None:
     if len(set(stems)) != len(stems):
         raise ValueError(f"--data {args.data!r}: two shards share a file name, so their side files would collide")
     teacher = load_teacher(args.ckpt, args.model, args.tokenizer, args.ema)
-    os.makedirs(args.output, exist_ok=True)
-    report = embed(teacher, urls, args.output, args)
+    manifest = write_folder(args.output, lambda folder: _write(teacher, urls, folder, args))
+    print(f"teacher_embeddings: {manifest['samples']} samples ({manifest['skipped']} skipped) of {len(urls)} shards "
+          f"in {manifest['seconds']} s, {manifest['samples_per_s']} samples/s -> {args.output}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(manifest, f, indent=1)
+
+
+def _write(teacher: Teacher, urls: list[str], folder: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The side files and the manifest (last) in ``folder``, a new one that replaces ``--output`` when
+    whole (:func:`mmssl.export.paths.write_folder`); the manifest."""
+    report = embed(teacher, urls, folder, args)
     manifest = {"format": FORMAT, "teacher": os.path.abspath(args.ckpt), "sha256": teacher.sha256, "ema": args.ema,
                 "embed_dim": teacher.embed_dim, "logit_scale": float(teacher.logit_scale),
                 "image_size": teacher.image_size, "image_mean": list(teacher.image_mean),
                 "image_std": list(teacher.image_std), "data": args.data, **report}
-    with open(os.path.join(args.output, MANIFEST), "w") as f:  # last: a partial run has no manifest
+    with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
-    print(f"teacher_embeddings: {report['samples']} samples ({report['skipped']} skipped) of {len(urls)} shards in "
-          f"{report['seconds']} s, {report['samples_per_s']} samples/s -> {args.output}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(manifest, f, indent=1)
+    return manifest
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -53,7 +53,8 @@ def read_manifest(folder: str) -> dict[str, Any]:
     """
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{KEY}: no {MANIFEST} in {folder!r} (tools/teacher_embeddings.py writes one)")
+        raise FileNotFoundError(f"{KEY}: no {MANIFEST} in {folder!r} (tools/teacher_embeddings.py writes one)"
+                                f"{_set_aside_hint(folder)}")
     with open(path) as f:
         try:
             manifest = json.load(f)
@@ -63,6 +64,18 @@ def read_manifest(folder: str) -> dict[str, Any]:
             or not isinstance(manifest.get("logit_scale"), (int, float)):
         raise ValueError(f"{KEY}: {path} is not a {FORMAT} manifest with embed_dim and logit_scale")
     return manifest
+
+
+def _set_aside_hint(folder: str) -> str:
+    """Where a ``--overwrite`` killed between the two renames of its swap left the earlier folder."""
+    parent, name = os.path.split(os.path.normpath(os.path.abspath(folder)))
+    if os.path.exists(folder) or not os.path.isdir(parent):
+        return ""
+    aside = sorted(e for e in os.listdir(parent) if e.startswith(f".{name}.old."))
+    if not aside:
+        return ""
+    return (f"; an interrupted --overwrite set the earlier folder aside as {os.path.join(parent, aside[-1])!r}: "
+            "rename it back, or run tools/teacher_embeddings.py again")
 
 
 def write_side_file(path: str, keys: list[str], image: np.ndarray, text: np.ndarray) -> None:
