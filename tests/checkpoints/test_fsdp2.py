@@ -142,6 +142,18 @@ def test_fsdp2_clip_trains_as_ddp_and_every_reader_takes_its_folder(tmp_path, ti
     assert not exit_.value.code
     exported = torch.load(tmp_path / "clip.pth", weights_only=True)
     torch.testing.assert_close(exported["logit_scale"], ddp["model.logit_scale"], rtol=1e-4, atol=1e-5)
+    # One consolidated file, which a DDP run or any tool reads as it reads their own.
+    monkeypatch.setattr(sys, "argv", ["consolidate.py", "--ckpt", str(folder), "--output", str(tmp_path / "one.ckpt")])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(REPO / "tools" / "consolidate.py"), run_name="__main__")
+    assert not exit_.value.code
+    one = torch.load(tmp_path / "one.ckpt", weights_only=True)
+    assert one["global_step"] == 3 and one["state_dict"].keys() == state.keys()
+    assert all(torch.equal(one["state_dict"][k], state[k]) for k in state)
+    optimizer = one["optimizer_states"][0]  # Optimizer.state_dict()'s numbering, every parameter's moments
+    numbered = [i for group in optimizer["param_groups"] for i in group["params"]]
+    assert numbered == list(range(len(numbered))) and sorted(optimizer["state"]) == numbered
+    assert all(set(entry) == {"step", "exp_avg", "exp_avg_sq"} for entry in optimizer["state"].values())
 
 
 def _folder(tmp_path: Path) -> Path:
