@@ -190,6 +190,12 @@ def test_a_torn_or_crafted_folder_is_named_and_never_run(tmp_path, monkeypatch):
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata.*posix\.system|\.metadata.*os\.system"):
         read_checkpoint(str(folder))
     assert not (tmp_path / "pwned").exists()
+    _folder(tmp_path)  # whole again, then Lightning's meta.pt crafted
+    torch.save({"global_step": 7, "x": _Boom()}, folder / "meta.pt")
+    with pytest.raises(UnsafeCheckpointError, match=r"meta\.pt.*(posix|os)\.system"):
+        read_checkpoint(str(folder))
+    assert "UnsafeCheckpointError" in inspect_checkpoint(str(folder))[1]
+    assert not (tmp_path / "pwned").exists()
     (folder / ".metadata").unlink()  # a save killed before DCP's last write
     assert not (folder / ".metadata").exists() and inspect_checkpoint(str(folder))[0] is None
 
