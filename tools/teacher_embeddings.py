@@ -5,7 +5,8 @@
 
 Writes ``OUTPUT/<shard>.npz`` per shard (``keys``, ``image`` and ``text``: (N, D) float32,
 L2-normalised) and ``OUTPUT/teacher.json`` last (teacher file and SHA-256, width, logit scale,
-image size and normalisation), into a new folder beside ``OUTPUT`` that is renamed into place when
+image size and normalisation, and each local shard's size and a hash of its leading bytes, so
+that training refuses other shards of the same names), into a new folder beside ``OUTPUT`` that is renamed into place when
 whole: an interrupted run, ``--overwrite`` included, leaves ``OUTPUT`` as it was or (killed between
 the two renames of the swap) absent, never the side files of two teachers under one manifest. These are the side files :mod:`mmssl.data.teacher_embeddings` joins to the
 shards by sample key: train a student with ``--model.init_args.teacher_embeddings OUTPUT`` instead
@@ -34,7 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from mmssl.data.decode import BadSample, SampleDecoder
 from mmssl.data.reading import Health, read_shards
 from mmssl.data.sources import expand_urls
-from mmssl.data.teacher_embeddings import FORMAT, MANIFEST, side_file, write_side_file
+from mmssl.data.teacher_embeddings import FORMAT, MANIFEST, shard_identity, side_file, write_side_file
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.encoders import add_ema_argument
 from mmssl.export.paths import write_folder
@@ -158,7 +159,8 @@ def _write(teacher: Teacher, urls: list[str], folder: str, args: argparse.Namesp
     manifest = {"format": FORMAT, "teacher": os.path.abspath(args.ckpt), "sha256": teacher.sha256, "ema": args.ema,
                 "embed_dim": teacher.embed_dim, "logit_scale": float(teacher.logit_scale),
                 "image_size": teacher.image_size, "image_mean": list(teacher.image_mean),
-                "image_std": list(teacher.image_std), "data": args.data, **report}
+                "image_std": list(teacher.image_std), "data": args.data, **report,
+                "shards": {os.path.basename(u): i for u in urls if (i := shard_identity(u)) is not None}}
     with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest

@@ -35,7 +35,7 @@ from mmssl.data.options import check_data_options
 from mmssl.data.pipeline import META_KEYS, ShardStream, StreamSpec, plan_stream
 from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources, shard_sizes
 from mmssl.data.state import EpochLoader, StreamPosition, run_seed, run_skipped
-from mmssl.data.teacher_embeddings import TeacherEmbeddings
+from mmssl.data.teacher_embeddings import TeacherEmbeddings, check_shards
 from mmssl.distributed import is_sharded
 from mmssl.data.transforms import (OPENAI_MEAN, OPENAI_STD, BatchNormalize, eval_transform, timm_eval_transform,
                                    timm_train_transform, train_sample_transform)
@@ -240,6 +240,8 @@ class ImageTextDataModule(pl.LightningDataModule):
                         raise cls(f"data.{key}={data!r}: {err}") from err
                     if train:
                         self._report(stream)
+                        if self.teacher_embeddings is not None:
+                            check_shards(self.teacher_embeddings.folder, stream.spec.urls)
                     elif world > 1 and is_sharded(self.trainer.strategy) and not getattr(
                             self.trainer.strategy, "gather_for_evaluation", False):
                         check_even_validation(stream.spec, f"data.{key}={data!r}")

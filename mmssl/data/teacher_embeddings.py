@@ -2,8 +2,9 @@
 
 ``tools/teacher_embeddings.py`` runs a teacher once over shards and writes, into one folder:
 
-* ``teacher.json``, the manifest: the teacher's file and SHA-256, ``embed_dim``, ``logit_scale``
-  and the image size and normalisation it saw the images at;
+* ``teacher.json``, the manifest: the teacher's file and SHA-256, ``embed_dim``, ``logit_scale``,
+  the image size and normalisation it saw the images at, and ``shards``: the identity of each local
+  shard the embeddings were computed from (:func:`shard_identity`);
 * one ``<shard>.npz`` per shard (``0.tar`` -> ``0.npz``): ``keys`` (N,) the samples' ``__key__``,
   ``image`` (N, D) and ``text`` (N, D) float32 L2-normalised embeddings, row i of sample ``keys[i]``.
 
@@ -16,23 +17,33 @@ fixed-width arrays is read with ``allow_pickle=False``, so it carries no code.
 In the loader (:class:`TeacherEmbeddings`), a sample whose shard has no side file, whose key is
 not in it, or whose rows have another width than the manifest's is a bad sample: skipped, named
 and counted toward ``data.max_bad_fraction`` like an unreadable image, never a crash mid-run.
+A join by file name and key alone would join any shards so named (every ``make_shards`` set is
+``0.tar ..`` with keys ``000000000 ..``): :func:`check_shards` refuses, at start-up, local training
+shards other than those the manifest records.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import zipfile
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from mmssl.data.decode import BadSample
+from mmssl.data.sources import is_local
 
 MANIFEST = "teacher.json"
 FORMAT = "mmssl-teacher-embeddings/1"
 KEY = "model.init_args.teacher_embeddings"
+# Leading bytes of a shard hashed into its identity: its first samples' headers and bytes (two
+# sets named alike differ there), one read per shard at start-up, not the shard.
+HEAD_BYTES = 1 << 14
+log = logging.getLogger(__name__)
 # Side files a worker keeps open (a resampled stream revisits shards; each is N x 2D floats).
 CACHED_SHARDS = 4
 
@@ -64,6 +75,51 @@ def read_manifest(folder: str) -> dict[str, Any]:
             or not isinstance(manifest.get("logit_scale"), (int, float)):
         raise ValueError(f"{KEY}: {path} is not a {FORMAT} manifest with embed_dim and logit_scale")
     return manifest
+
+
+def shard_identity(url: str) -> Optional[dict[str, Any]]:
+    """What tells a local shard file from another of the same name: its size in bytes and the
+    SHA-256 of its first :data:`HEAD_BYTES` bytes; ``None`` for a URL, ``pipe:`` or virtual shard."""
+    if not is_local(url) or not os.path.isfile(url):
+        return None
+    with open(url, "rb") as f:
+        head = f.read(HEAD_BYTES)
+    return {"bytes": os.path.getsize(url), "head_sha256": hashlib.sha256(head).hexdigest()}
+
+
+def check_shards(folder: str, urls: Sequence[str]) -> None:
+    """Refuse training shards other than those the embeddings in ``folder`` were computed from.
+
+    Each local shard the manifest records by name must have the size and leading bytes recorded
+    there (:func:`shard_identity`). Shards it does not name have no side file (their samples are bad
+    samples); remote shards and manifests without ``shards`` cannot be checked and are warned about.
+
+    Raises:
+        ValueError: naming the manifest and the first shard that differs.
+    """
+    path = os.path.join(folder, MANIFEST)
+    recorded = read_manifest(folder).get("shards")
+    if not isinstance(recorded, dict):
+        log.warning("%s: %s records no shard identities (written by an older tools/teacher_embeddings.py): the "
+                    "training shards are joined to its embeddings by file name and key unchecked", KEY, path)
+        return
+    unchecked = 0
+    for url in urls:
+        want = recorded.get(os.path.basename(str(url).rstrip("/")))
+        if want is None:
+            continue
+        have = shard_identity(str(url))
+        if have is None:
+            unchecked += 1
+        elif any(have[k] != want.get(k) for k in have):
+            raise ValueError(
+                f"{KEY}: {path} holds embeddings of another shard named {os.path.basename(url)!r} "
+                f"({want.get('bytes')} bytes, leading bytes SHA-256 {str(want.get('head_sha256'))[:12]}), not of "
+                f"{url} ({have['bytes']} bytes, {have['head_sha256'][:12]}): run tools/teacher_embeddings.py "
+                "on these shards")
+    if unchecked:
+        log.warning("%s: %d shards are remote or not files, so not checked against %s (joined by name and key)",
+                    KEY, unchecked, path)
 
 
 def _set_aside_hint(folder: str) -> str:

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmssl.data.datamodule import ImageTextDataModule
+from mmssl.data.demo import ensure_demo_data
 from mmssl.data.teacher_embeddings import MANIFEST, TeacherEmbeddings
 from mmssl.models.clip import CLIP
 
@@ -75,3 +77,21 @@ def test_an_interrupted_overwrite_never_mixes_two_teachers(tmp_path, tiny_demo, 
     assert manifest["teacher"] == str(teachers[1])
     changed = [n for n, data in first.items() if n.endswith(".npz") and (out / n).read_bytes() != data]
     assert len(changed) == 4
+
+
+def test_embeddings_are_refused_for_other_shards_of_the_same_names(tmp_path, tiny_demo, teachers):
+    """Two demo sets of another seed: the same shard names, keys and (padded tar) sizes, other samples."""
+    train, out = os.path.dirname(tiny_demo.train), tmp_path / "emb"
+    other = ensure_demo_data(str(tmp_path / "other"), num_train=64, num_val=32, shard_size=16, image_size=32, seed=1)
+    other_train = os.path.dirname(other.train)
+    assert sorted(os.listdir(other_train)) == sorted(os.listdir(train))
+    assert _tool("--ckpt", str(teachers[0]), "--data", train, "--output", str(out), "--batch-size", "16",
+                 "--num-workers", "0") == 0
+
+    def setup(data: str) -> None:
+        ImageTextDataModule(train_data=data, batch_size=8, num_workers=0, image_size=32,
+                            teacher_embeddings=str(out)).setup("fit")
+
+    setup(train)  # the shards they were computed from
+    with pytest.raises(ValueError, match=rf"{out / MANIFEST}.* another shard named '0.tar'.*{other_train}/0.tar"):
+        setup(other_train)
