@@ -82,3 +82,15 @@ def test_every_step_keeps_num_beams_distinct_live_prefixes_per_image():
     for text in model.calls[1:]:
         for rows in text.reshape(4, beams, -1):  # (K, t) of one image
             assert (rows[:, 0] == SOT).all() and not torch.equal(rows[0], rows[1]), text
+
+
+def test_the_search_goes_on_while_a_live_beam_can_still_beat_the_finished_ones():
+    """transformers' rule compares a finished caption with the best live beam's normalised score:
+    "<end>" (log 0.45 = -0.80) against the live "a" (log 0.3 / 2 = -0.60) goes on (unnormalised,
+    -1.20, it would stop), and "a <end>" (-0.60) wins."""
+    model = _Table(1, seed=0)
+    model.logits[0, 1, SOT, [EOS, *WORDS]] = torch.tensor([0.45, 0.3, 0.25]).log()
+    model.logits[0, 2:] = -30.0
+    model.logits[0, 2:, :, EOS] = 0.0
+    got = beam_search(model, torch.arange(1), SOT, EOS, PAD, num_beams=1, seq_len=6, min_seq_len=1)
+    assert got.tolist() == [[SOT, WORDS[0], EOS]]
