@@ -9,7 +9,9 @@ Accepted specs:
 - a folder: every ``*.tar`` inside, sorted;
 - an image folder, ``ROOT/<class>/<image>`` (torchvision's ``ImageFolder`` layout): read as virtual
   shards (:mod:`mmssl.data.folders`), labels from the sorted class names;
-- any URL or ``pipe:`` command that webdataset's ``gopen`` opens (``pipe:aws s3 cp ... -``);
+- any URL or ``pipe:`` command that webdataset's ``gopen`` opens (``pipe:aws s3 cp ... -``): a
+  ``pipe:`` source runs its command in a shell, so a config that names one is trusted like code;
+  specs read from data files (an evaluation suite) refuse it (:func:`refuse_pipe`);
 - a YAML list of any of these: one source made of all of them;
 - a YAML list of mappings ``{data: SPEC, weight: W}``: weighted mixing of several sources, drawn
   in proportion to ``W`` (resampled mode only; exact epochs read every sample once and so cannot
@@ -49,6 +51,26 @@ class Source:
     urls: tuple[str, ...]
     weight: float = 1.0
     spec: str = ""
+
+
+def refuse_pipe(spec: str, where: str) -> None:
+    """Refuse a ``pipe:`` command in a shard spec read from a data file (not a config).
+
+    webdataset runs ``pipe:CMD`` with ``shell=True``: a file that is shared and opened as data (an
+    evaluation suite) must not run commands when read. Any occurrence is refused, so that neither a
+    ``::`` list nor a brace pattern can spell one.
+
+    Args:
+        spec: the shard spec as written.
+        where: the file and key, for the error.
+
+    Raises:
+        ValueError: ``spec`` holds ``pipe:``.
+    """
+    if "pipe:" in spec:
+        raise ValueError(f"{where}: {spec!r} is a pipe: source, which runs a shell command; a data file may not "
+                         "name one (write the shards to disk, or pass the pipe: spec on the command line or in a "
+                         "config, which are trusted like code)")
 
 
 def is_local(url: str) -> bool:

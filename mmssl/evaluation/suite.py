@@ -21,8 +21,9 @@ Tasks are a list of names (default options) or a mapping ``task: {options}``:
 - ``knn``: ``protocols: [lightly, dino]``.
 - ``retrieval``: ``recall_k: [1, 5, 10]`` (each test image's ``txt`` lines are its captions).
 
-Every problem (an unknown key, task or protocol, a missing set, a zero-shot set without class
-names, a probe without a training split) raises :class:`SuiteError` naming the entry
+A suite is data, not code: a ``pipe:`` source (webdataset runs its command in a shell) is refused
+in every path. Every problem (an unknown key, task or protocol, a missing set, a zero-shot set without class
+names, a probe without a training split, a ``pipe:``) raises :class:`SuiteError` naming the entry
 (``sets.demo.tasks.zero_shot``), so a bad suite stops before a model is loaded.
 """
 
@@ -35,6 +36,7 @@ from typing import Any, Optional
 import yaml
 
 from mmssl.data.labeled import is_image_folder, read_classnames, read_templates, resolve_labeled
+from mmssl.data.sources import refuse_pipe
 
 # The protocols of each task; the JSON names the one used.
 PROTOCOLS: dict[str, tuple[str, ...]] = {
@@ -107,6 +109,10 @@ def _unknown(keys: Any, allowed: tuple[str, ...], where: str) -> None:
 def _path(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise SuiteError(f"{where}: expected a path, got {value!r}")
+    try:
+        refuse_pipe(value, where)
+    except ValueError as err:
+        raise SuiteError(str(err)) from None
     path = os.path.expanduser(value)
     if not os.path.exists(path) and not any(c in path for c in "{:"):  # a shard pattern is checked on reading
         raise SuiteError(f"{where}: no such set {value!r}")
