@@ -199,6 +199,7 @@ def test_fit_validates_and_ends_with_the_weights_evaluate_names(tmp_path, evalua
         torch.testing.assert_close(value, end[key], rtol=0, atol=1e-6, msg=key)
 
 
+@pytest.mark.filterwarnings("ignore:You're using the WeightAveraging callback, but loading a checkpoint")
 def test_validate_of_an_ema_checkpoint_scores_the_weights_evaluate_names(tmp_path):
     trainer, model, ema, record = _fit(tmp_path, "raw")
     path = tmp_path / "ema.ckpt"
