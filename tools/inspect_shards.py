@@ -5,7 +5,9 @@
 Checks every sample (the image decodes, the caption is non-empty UTF-8, ``cls`` is a class index
 in [0, 2**63)) and every shard against the ``sizes.json`` beside it (valid JSON mapping shard names
 to non-negative integers, each count equal to the samples the shard holds: training counts a
-difference as bad samples). Exits with status 1 when a sample, shard or ``sizes.json`` is bad; warns
+difference as bad samples); a folder whose writer (``make_shards.py``) was interrupted before its
+``sizes.json`` (its ``incomplete.json`` is there) is reported incomplete. Exits with status 1 when a
+sample, shard or ``sizes.json`` is bad, or a folder incomplete; warns
 (status 0) about shards whose labels or captions are nearly constant, or that no ``sizes.json`` lists.
 """
 

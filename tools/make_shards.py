@@ -12,32 +12,33 @@ is a clip_benchmark ``wds/`` set:
 mmssl's tools both read it. A table has rows ``path,caption[,label]`` and writes its shards to
 ``OUTPUT`` itself (``OUTPUT/{split}`` in the clip_benchmark layout with ``--split``). Samples are
 shuffled across the shards (``--seed``; ``--no-shuffle`` keeps the input order), so no shard
-holds one class. Writes ``sizes.json`` beside the shards. A folder that already holds shards is
-refused; ``--overwrite`` replaces those an earlier run wrote (the ones its ``sizes.json`` lists) and
-still refuses any other ``.tar``: no file make_shards did not write is deleted.
+holds one class. Writes ``sizes.json`` beside the shards, last: until then ``incomplete.json``
+stands there, so the shards of an interrupted run are known as such (``inspect_shards.py`` calls
+them incomplete). A folder that already holds shards is refused; ``--overwrite`` replaces those an
+earlier run wrote (the ones its ``sizes.json`` lists, or an interrupted run's) and still refuses any
+other ``.tar``: no file make_shards did not write is deleted. ``--output`` may not be the image
+folder or inside it.
 """
 
 import argparse
 import errno
-import json
 import os
 import sys
-from pathlib import Path
 
 from mmssl.data.folders import folder_items, shuffled
 from mmssl.data.shards import table_items, write_clip_benchmark_files, write_shards
 from mmssl.tools._common import add_option, run
 
 
-def number_shards(folder: str, sizes: dict[str, int]) -> dict[str, int]:
-    """Rename ``00000.tar ..`` (what ``write_shards`` writes) to clip_benchmark's ``0.tar ..``
-    and rewrite ``sizes.json``; returns the new sizes."""
-    renamed = {}
-    for i, (name, count) in enumerate(sorted(sizes.items())):
-        os.replace(os.path.join(folder, name), os.path.join(folder, f"{i}.tar"))
-        renamed[f"{i}.tar"] = count
-    Path(folder, "sizes.json").write_text(json.dumps(renamed, indent=1))
-    return renamed
+def check_not_inside(data: str, outputs: list[str]) -> None:
+    """Refuse an output folder that is the input image folder or inside it: the shards (and a
+    rerun's images listed from it) would mix with the images."""
+    source = os.path.realpath(data)
+    for out in outputs:
+        target = os.path.realpath(out)
+        if target == source or target.startswith(source + os.sep):
+            raise ValueError(f"--output {out!r} is inside --data {data!r}: the shards would be written among the "
+                             "images they are made from; name a folder outside it")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 def _write(args: argparse.Namespace, folder: bool) -> None:
     names = None
     if folder:
+        check_not_inside(args.data, [args.output, os.path.join(args.output, args.split)])
         items, names = folder_items(args.data, args.template)
     elif os.path.exists(args.data):
         items = table_items(args.data)
@@ -76,9 +78,9 @@ def _write(args: argparse.Namespace, folder: bool) -> None:
     if not args.no_shuffle:
         items = shuffled(items, args.seed)
     out = os.path.join(args.output, args.split) if args.split else args.output
-    sizes = write_shards(items, out, args.shard_size, args.resize, args.prefix, len(items), args.overwrite)
+    sizes = write_shards(items, out, args.shard_size, args.resize, args.prefix, len(items), args.overwrite,
+                         numbered=bool(args.split))
     if args.split:
-        sizes = number_shards(out, sizes)
         write_clip_benchmark_files(args.output, args.split, names, [args.template] if names else None)
     print(f"wrote {sum(sizes.values())} samples in {len(sizes)} shards to {out}")
 

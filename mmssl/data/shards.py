@@ -4,7 +4,9 @@
 :func:`~mmssl.data.folders.shuffled` mixes the samples before they are written (a folder lists them class by class).
 Shards hold ``{key}.jpg|png`` (or the original bytes), ``{key}.txt`` and, when labelled,
 ``{key}.cls``; a ``sizes.json`` beside them lists samples per shard (open_clip's convention),
-which exact-epoch training needs.
+which exact-epoch training needs. While shards are written, :data:`INCOMPLETE_FILE` stands beside
+them (removed once ``sizes.json`` is written): a folder that holds it is an interrupted run's, which
+:func:`inspect_shards` reports as incomplete and ``--overwrite`` replaces.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import csv
 import io
 import json
 import os
+import re
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -25,6 +28,10 @@ from tqdm import tqdm
 from mmssl.data.decode import BadSample, SampleDecoder, parse_label
 from mmssl.data.labeled import CLASSNAMES_FILE, NSHARDS_FILE, TEMPLATES_FILE, classnames_problem
 from mmssl.data.sources import SIZES_FILE, expand_urls, is_local, read_sizes_json
+
+# Beside shards being written (their file-name pattern inside), removed once sizes.json is: a
+# killed writer leaves whole-looking tars, which this file marks as an interrupted run's.
+INCOMPLETE_FILE = "incomplete.json"
 
 # inspect_shards warns about a shard whose most common label or caption covers more than this
 # fraction of its samples (a class-ordered shard: its batches would be nearly one class), once the
@@ -70,39 +77,61 @@ def _encode(path: str, resize: Optional[int]) -> tuple[str, bytes]:
 def prepare_output(folder: str, overwrite: bool = False) -> None:
     """Make ``folder`` ready for new shards, deleting no file that mmssl did not write.
 
-    A folder without ``*.tar`` or ``sizes.json`` is used as it is. One with them is refused, unless
-    ``overwrite``: then the shards its ``sizes.json`` lists (an earlier run's) and that file are
-    deleted, and any other ``*.tar`` (which would be read beside the new shards) is still refused.
+    A folder without ``*.tar``, ``sizes.json`` or :data:`INCOMPLETE_FILE` is used as it is. One with
+    them is refused, unless ``overwrite``: then the shards its ``sizes.json`` lists (an earlier
+    run's), or those named by an interrupted run's :data:`INCOMPLETE_FILE`, and those files are
+    deleted; any other ``*.tar`` (which would be read beside the new shards) is still refused.
 
     Args:
         folder: the output folder (created).
-        overwrite: replace an earlier run's shards.
+        overwrite: replace an earlier or interrupted run's shards.
 
     Raises:
         FileExistsError: shards are there and ``overwrite`` is off, or some are not an earlier run's.
         ValueError: its ``sizes.json`` is malformed (with ``overwrite``).
     """
     os.makedirs(folder, exist_ok=True)
-    sizes_path = os.path.join(folder, SIZES_FILE)
+    sizes_path, marker = os.path.join(folder, SIZES_FILE), os.path.join(folder, INCOMPLETE_FILE)
     tars = sorted(e for e in os.listdir(folder) if e.endswith(".tar"))
-    if not tars and not os.path.exists(sizes_path):
+    incomplete = os.path.exists(marker)
+    if not tars and not os.path.exists(sizes_path) and not incomplete:
         return
     if not overwrite:
+        held = (f"the shards of an interrupted run ({INCOMPLETE_FILE}: it stopped before writing {SIZES_FILE})"
+                if incomplete else f"shards ({len(tars)} .tar files"
+                f"{', a sizes.json' if os.path.exists(sizes_path) else ''})")
         raise FileExistsError(
-            f"{folder} already holds shards ({len(tars)} .tar files"
-            f"{', a sizes.json' if os.path.exists(sizes_path) else ''}): "
-            "write to another --output, or pass --overwrite to replace the shards an earlier run wrote there"
-        )
-    listed = read_sizes_json(sizes_path) if os.path.exists(sizes_path) else {}
-    foreign = [t for t in tars if t not in listed]
+            f"{folder} already holds {held}: write to another --output, or pass --overwrite to replace the shards "
+            "an earlier run wrote there")
+    if incomplete:
+        written = _incomplete_pattern(marker)
+        ours = {t for t in tars if written is not None and written.fullmatch(t)}
+        where = f"named as its {INCOMPLETE_FILE} says the interrupted run named its shards"
+    else:
+        ours = set(read_sizes_json(sizes_path)) if os.path.exists(sizes_path) else set()
+        where = "listed in its sizes.json"
+    foreign = [t for t in tars if t not in ours]
     if foreign:
         raise FileExistsError(
-            f"{folder}: {foreign[:3]}{' ...' if len(foreign) > 3 else ''} are not listed in its sizes.json, so no "
-            "run of make_shards wrote them, and mmssl deletes no file it did not write: move them away, or write "
-            "to another --output")
+            f"{folder}: {foreign[:3]}{' ...' if len(foreign) > 3 else ''} are not {where}, so no run of make_shards "
+            "wrote them, and mmssl deletes no file it did not write: move them away, or write to another --output")
     for name in tars:
         os.remove(os.path.join(folder, name))
-    os.remove(sizes_path)
+    for path in (sizes_path, marker):
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _incomplete_pattern(marker: str) -> Optional[re.Pattern]:
+    """The shard file names an interrupted writer used, from its :data:`INCOMPLETE_FILE`
+    (``None`` if unreadable: killed while writing it, before any shard)."""
+    try:
+        with open(marker, encoding="utf-8") as f:
+            pattern = json.load(f)["pattern"]
+        head, width, tail = re.fullmatch(r"(.*)%0?(\d*)d(.*)", pattern).groups()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return re.compile(re.escape(head) + (rf"\d{{{int(width)},}}" if width else r"\d+") + re.escape(tail))
 
 
 def write_shards(
@@ -113,6 +142,7 @@ def write_shards(
     prefix: str = "",
     total: Optional[int] = None,
     overwrite: bool = False,
+    numbered: bool = False,
 ) -> dict[str, int]:
     """Write samples to ``output/{prefix}{00000..}.tar`` and ``output/sizes.json``.
 
@@ -123,7 +153,8 @@ def write_shards(
         resize: short side to shrink larger images to (JPEG re-encode); ``None`` keeps the bytes.
         prefix: shard file name prefix.
         total: number of items, for the progress bar.
-        overwrite: replace the shards an earlier run wrote into ``output``.
+        overwrite: replace the shards an earlier (or interrupted) run wrote into ``output``.
+        numbered: name the shards ``0.tar, 1.tar, ..`` (clip_benchmark's names) instead.
 
     Returns:
         Samples per shard file name (what ``sizes.json`` holds).
@@ -135,15 +166,16 @@ def write_shards(
             ext, data = _encode(path, resize)
             yield {"__key__": f"{i:09d}", ext: data, "txt": text, **({"cls": str(label)} if label is not None else {})}
 
-    return write_samples(samples(), os.path.join(output, f"{prefix}%05d.tar"), shard_size)
+    return write_samples(samples(), os.path.join(output, "%d.tar" if numbered else f"{prefix}%05d.tar"), shard_size)
 
 
 def write_samples(samples: Iterable[dict], pattern: str, shard_size: int) -> dict[str, int]:
     """Write webdataset samples to tar shards and the ``sizes.json`` beside them: the one shard
     writer of the project (``make_shards``, the demo data, ``tools/fashion_mnist.py``).
 
-    Fixed mtime and USTAR members (no 1 KiB pax header per member, which would triple the size of
-    small samples): identical inputs give identical bytes.
+    :data:`INCOMPLETE_FILE` stands beside the shards until ``sizes.json`` is written. Fixed mtime
+    and USTAR members (no 1 KiB pax header per member, which would triple the size of small
+    samples): identical inputs give identical bytes.
 
     Args:
         samples: dicts of ``__key__`` and member bytes or strings (``jpg``, ``txt``, ``cls``, ...).
@@ -153,13 +185,18 @@ def write_samples(samples: Iterable[dict], pattern: str, shard_size: int) -> dic
     Returns:
         Samples per shard file name, as written to ``sizes.json`` (open_clip's epoch-length file).
     """
+    folder = os.path.dirname(pattern) or "."
+    marker = Path(folder, INCOMPLETE_FILE)
+    marker.write_text(json.dumps({"pattern": os.path.basename(pattern), "why": "shards are being written, or their "
+                                  "writer was interrupted: sizes.json is written, and this file removed, at the end"}))
     sizes: dict[str, int] = {}
     with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, mtime=0, format=tarfile.USTAR_FORMAT) as sink:
         for sample in samples:
             sink.write(sample)
             name = os.path.basename(sink.fname)
             sizes[name] = sizes.get(name, 0) + 1
-    Path(os.path.dirname(pattern) or ".", SIZES_FILE).write_text(json.dumps(sizes, indent=1))
+    Path(folder, SIZES_FILE).write_text(json.dumps(sizes, indent=1))
+    marker.unlink()
     return sizes
 
 
@@ -226,12 +263,17 @@ def inspect_shards(
 
 
 def _listed_sizes(urls: list[str], problems: list[str]) -> dict[str, Optional[dict[str, int]]]:
-    """Each local folder's ``sizes.json`` (``None``: there is none, or it is malformed: a problem)."""
+    """Each local folder's ``sizes.json`` (``None``: there is none, or it is malformed or its writer
+    was interrupted: a problem)."""
     out: dict[str, Optional[dict[str, int]]] = {}
     for folder in sorted({os.path.dirname(u) for u in urls if is_local(u)}):
         path = os.path.join(folder, SIZES_FILE)
         out[folder] = None
-        if os.path.exists(path):
+        if os.path.exists(os.path.join(folder, INCOMPLETE_FILE)):
+            problems.append(f"{folder}: incomplete: its writer (tools/make_shards.py) stopped before writing "
+                            f"{SIZES_FILE} ({INCOMPLETE_FILE} is there), so its last shard may be cut short and "
+                            "shards may be missing: run it again with --overwrite")
+        elif os.path.exists(path):
             try:
                 out[folder] = read_sizes_json(path)
             except ValueError as err:
