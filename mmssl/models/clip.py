@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric, MetricCollection
 
-from mmssl.checkpoints.read import SCALAR_KEYS, checkpoint_exists
+from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.data.decode import trim_text_padding
 from mmssl.distributed import gather_with_grad, is_sharded, rank, seed_per_rank
 from mmssl.log_cadence import logging_step
@@ -34,6 +34,7 @@ from mmssl.models.locking import LockOptions, lock_towers
 from mmssl.models.memory import apply_memory_options
 from mmssl.models.lit import init_image_tower
 from mmssl.models.lora import CLIP_TRAINABLE, LoraCheckpoint, clip_towers, enable_lora
+from mmssl.models.scalars import install_scalar_hooks, record_scalar_keys, scalars_as_vectors
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
     OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, create_model, resolve_model_name, text_padding_is_inert)
 from mmssl.models.teacher import tokenizer_signature
@@ -48,25 +49,6 @@ LOSS_INIT: dict[str, tuple[float, Optional[float]]] = {
     "clip": (math.log(1 / 0.07), None),
     "siglip": (math.log(10.0), -10.0),
 }
-
-
-def _scalars_to_open_clip_shape(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """``state_dict`` post-hook: ``logit_scale`` / ``logit_bias`` saved 0-d, open_clip's shape."""
-    for key in ("logit_scale", "logit_bias"):
-        name = f"{prefix}model.{key}"
-        # Not an FSDP2 shard (a DTensor): a sharded checkpoint keeps it (1,), which every
-        # loader takes (_scalars_to_own_shape; mmssl.checkpoints.read.read_dcp_folder).
-        if name in state_dict and state_dict[name].ndim == 1 and not hasattr(state_dict[name], "full_tensor"):
-            state_dict[name] = state_dict[name].reshape(())
-
-
-def _scalars_to_own_shape(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    """``load_state_dict`` pre-hook: ``logit_scale`` / ``logit_bias`` loaded in this process's
-    shape (0-d, or (1,) under FSDP)."""
-    for key in ("logit_scale", "logit_bias"):
-        param, name = getattr(module.model, key, None), f"{prefix}model.{key}"
-        if param is not None and name in state_dict and state_dict[name].numel() == 1:
-            state_dict[name] = state_dict[name].reshape(param.shape)
 
 
 class CLIP(LoraCheckpoint, pl.LightningModule):
@@ -248,10 +230,7 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         # open_clip_train/main.py: exclude = p.ndim < 2 or "bn"/"ln"/"bias"/"logit_scale" in n.
         self.no_weight_decay = list(OPEN_CLIP_NO_DECAY if no_weight_decay is None else no_weight_decay)
         self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
-        # Checkpoints hold logit_scale / logit_bias 0-d (open_clip's shape) whatever shape they
-        # have in this process (1-D under FSDP, see configure_model).
-        self.register_state_dict_post_hook(_scalars_to_open_clip_shape)
-        self.register_load_state_dict_pre_hook(_scalars_to_own_shape)
+        install_scalar_hooks(self)  # checkpoints keep open_clip's 0-d scalars (1-D when sharded)
         unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
         if unmatched:
             rank_zero_warn(f"model.no_weight_decay: {unmatched} match no parameter of {model_name!r}")
@@ -398,12 +377,8 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         shard_model(self, trainer)  # FSDP2: each tower block a unit, then the root (mmssl.sharding)
 
     def scalars_as_vectors(self) -> None:
-        """Give ``logit_scale`` / ``logit_bias`` shape (1,) (same values), as FSDP 1 needs; the
-        losses broadcast them and checkpoints keep open_clip's 0-d shape."""
-        for key in ("logit_scale", "logit_bias"):
-            param = getattr(self.model, key, None)
-            if isinstance(param, torch.nn.Parameter) and param.ndim == 0:
-                setattr(self.model, key, torch.nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
+        """``logit_scale`` / ``logit_bias`` of shape (1,), as sharding needs (:mod:`mmssl.models.scalars`)."""
+        scalars_as_vectors(self.model)
 
     def on_fit_start(self) -> None:
         seed_per_rank(self.global_rank, self.trainer.world_size)  # each rank draws its own FLIP masks and dropout
@@ -437,10 +412,7 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         super().on_save_checkpoint(checkpoint)  # LoraCheckpoint: adapters only, and the base reference
         if self.distiller is not None:  # the teacher's file and checksum, never its weights
             checkpoint["teacher"] = self.distiller.provenance()
-        # A sharded checkpoint keeps logit_scale / logit_bias (1,) (FSDP2 shards no 0-d tensor):
-        # the one reader gives them back open_clip's 0-d shape when it consolidates the folder.
-        checkpoint[SCALAR_KEYS] = [f"model.{k}" for k in ("logit_scale", "logit_bias")
-                                   if getattr(self.model, k, None) is not None]
+        record_scalar_keys(self.model, checkpoint)  # a sharded checkpoint's (1,) scalars, named
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # CLIP sec. 2.5: the temperature is clipped so logits are scaled by at most 100.
