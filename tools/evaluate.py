@@ -14,14 +14,24 @@ and ``summary.json``; with ``--compare``, ``a/`` and ``b/`` so, and ``compare.js
 ``compare.md`` (B - A per set, its interval and two-sided p-value). ``--ema`` scores a checkpoint's
 EMA of the weights (both checkpoints' with ``--compare``) instead of its raw weights; a file or
 folder without one is refused, naming it.
+
+``--output`` holds one run's results only: they are written into a new folder beside it, which
+takes its place at the end. A non-empty ``--output`` is refused, naming it, also when another run
+fills it while this one scores (this run's results are then kept in the new folder, named);
+``--overwrite`` replaces a folder holding an earlier run's results and nothing else, stale per-set
+files included.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import re
+import shutil
 import sys
+import tempfile
 from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_encoder
@@ -51,11 +61,55 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+# What a run writes (mmssl.evaluation.report and the comparison): --overwrite deletes a folder of these only.
+RESULT_FILE = re.compile(r"[^/]+\.json|results\.(csv|md)|compare\.md")
+
+
+def _foreign(folder: str, depth: int = 0) -> list[str]:
+    """Entries of ``folder`` that no run of this tool writes (``a/`` and ``b/`` of ``--compare`` looked into)."""
+    out = []
+    for entry in sorted(os.listdir(folder)):
+        path = os.path.join(folder, entry)
+        if depth == 0 and entry in ("a", "b") and os.path.isdir(path) and not os.path.islink(path):
+            out += _foreign(path, 1)
+        elif not (RESULT_FILE.fullmatch(entry) and os.path.isfile(path) and not os.path.islink(path)):
+            out.append(path)
+    return out
+
+
 def _check_output(folder: str, overwrite: bool) -> None:
-    if os.path.isfile(folder):
+    """Refuse a file, a non-empty folder without ``overwrite``, or one holding what no run writes."""
+    if os.path.lexists(folder) and not os.path.isdir(folder):
         raise NotADirectoryError(f"--output {folder!r} is a file")
-    if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
-        raise FileExistsError(f"--output {folder!r} is not empty: pass --overwrite to replace its results")
+    if not os.path.isdir(folder) or not os.listdir(folder):
+        return
+    if not overwrite:
+        raise FileExistsError(f"--output {folder!r} is not empty: name a new folder, or pass --overwrite to replace "
+                              "its results")
+    foreign = _foreign(folder)
+    if foreign:
+        raise FileExistsError(f"--output {folder!r} holds {foreign[:3]}, which tools/evaluate.py does not write: "
+                              "--overwrite replaces only an earlier run's results; name another folder")
+
+
+def _publish(new: str, output: str, overwrite: bool) -> None:
+    """Put the finished results folder ``new`` in ``output``'s place."""
+    try:
+        os.rename(new, output)  # onto nothing or an empty folder; refused onto a filled one
+        return
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    try:
+        _check_output(output, overwrite)
+    except FileExistsError as err:
+        raise FileExistsError(f"{err} (it was filled while this run scored; this run's results are in {new!r})") \
+            from None
+    parent, name = os.path.split(os.path.abspath(output))
+    old = tempfile.mkdtemp(prefix=f".{name}.old.", dir=parent)
+    os.replace(output, old)
+    os.replace(new, output)
+    shutil.rmtree(old)
 
 
 def _score(args: argparse.Namespace, suite: Suite, ckpt: str, folder: str, title: str):
@@ -77,24 +131,44 @@ def _report(args: argparse.Namespace) -> None:
     suite.resamples = args.resamples or suite.resamples
     suite.seed = suite.seed if args.seed is None else args.seed
     _check_output(args.output, args.overwrite)
-    if args.ckpt:
-        _, out = _score(args, suite, args.ckpt, args.output, f"{args.ckpt} on {args.suite}")
-    else:
-        a, b = args.compare
-        results_a, _ = _score(args, suite, a, os.path.join(args.output, "a"), f"A: {a}")
-        results_b, _ = _score(args, suite, b, os.path.join(args.output, "b"), f"B: {b}")
-        rows = compare(results_a, results_b, suite.resamples, suite.seed)
-        out = {"a": a, "b": b, "comparison": rows}
-        with open(os.path.join(args.output, "compare.json"), "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=2)
-        table = compare_markdown(rows, a, b)
-        with open(os.path.join(args.output, "compare.md"), "w", encoding="utf-8") as f:
-            f.write(table)
-        print(table)
+    parent, name = os.path.split(os.path.abspath(args.output))
+    os.makedirs(parent, exist_ok=True)
+    new = tempfile.mkdtemp(prefix=f".{name}.new.", dir=parent)
+    try:
+        out = _write_results(args, suite, new)
+        os.chmod(new, 0o777 & ~_umask())
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    _publish(new, args.output, args.overwrite)
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2)
     print(f"wrote {args.output}")
+
+
+def _write_results(args: argparse.Namespace, suite: Suite, folder: str) -> dict:
+    """Score (or compare) into ``folder``; the summary (or the comparison)."""
+    if args.ckpt:
+        return _score(args, suite, args.ckpt, folder, f"{args.ckpt} on {args.suite}")[1]
+    a, b = args.compare
+    results_a, _ = _score(args, suite, a, os.path.join(folder, "a"), f"A: {a}")
+    results_b, _ = _score(args, suite, b, os.path.join(folder, "b"), f"B: {b}")
+    rows = compare(results_a, results_b, suite.resamples, suite.seed)
+    out = {"a": a, "b": b, "comparison": rows}
+    with open(os.path.join(folder, "compare.json"), "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=2)
+    table = compare_markdown(rows, a, b)
+    with open(os.path.join(folder, "compare.md"), "w", encoding="utf-8") as f:
+        f.write(table)
+    print(table)
+    return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def main(argv: Optional[list[str]] = None) -> int:
