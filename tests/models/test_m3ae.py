@@ -96,3 +96,10 @@ def test_its_checkpoints_are_not_taken_for_another_kind():
     from mmssl.checkpoints.layouts import detect_kind
 
     assert detect_kind(M3AE(**TINY).state_dict()) is None
+
+
+def test_fsdp2_units_are_the_encoder_and_decoder_blocks():
+    from mmssl.sharding import shard_units
+
+    model = M3AE(**TINY)
+    assert shard_units(model) == [*model.encoder.blocks, *model.mm_decoder.blocks]
