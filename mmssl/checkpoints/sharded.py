@@ -34,7 +34,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from mmssl.checkpoints.io import AtomicCheckpointIO, atomic_torch_save, fsync_folder
 from mmssl.checkpoints.read import LIGHTNING_META, is_dcp_folder, load_dcp, read_checkpoint, read_dcp_metadata
-from mmssl.sharding import ShardingPolicy, check_sharded
+from mmssl.sharding import DTYPES, ShardingPolicy, check_sharded
 
 PARTIAL, OLD = ".partial", ".old"
 
@@ -75,6 +75,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.sharded_checkpoints = save_distributed_checkpoint
         self.policy = ShardingPolicy(param_dtype, reduce_dtype, reshard_after_forward)
         self.gather_for_evaluation = gather_for_evaluation
+        self._autocast: Optional[torch.autocast] = None  # open while a mixed-precision run evaluates
 
     # Evaluation: under FSDP2 every forward all-gathers each block, a collective, and held-out
     # shards are dealt per rank, so ranks run different numbers of forwards (the demo's one
@@ -87,6 +88,12 @@ class FSDP2Strategy(ModelParallelStrategy):
     def _gather(self) -> None:
         from torch.distributed.fsdp import FSDPModule
 
+        if self.policy.param_dtype is not None and self._autocast is None:
+            # Gathered parameters are in param_dtype, and evaluation code calls named stages
+            # (encode_image, forward_features) that FSDP2's input casting, on forward only, never
+            # sees: autocast gives their fp32 inputs the parameters' dtype.
+            self._autocast = torch.autocast(self.root_device.type, dtype=DTYPES[self.policy.param_dtype])
+            self._autocast.__enter__()
         if not self.gather_for_evaluation or self.model is None:
             return
         for module in self.model.modules():
@@ -96,6 +103,10 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def _reshard(self) -> None:
         from torch.distributed.fsdp import FSDPModule
+
+        if self._autocast is not None:
+            self._autocast.__exit__(None, None, None)
+            self._autocast = None
 
         if not self.gather_for_evaluation or self.model is None:
             return

@@ -23,6 +23,7 @@ CASES = {
     "attention_maps": ["--ckpt", MISSING, "--images", "a.png", "--output", "out"],
     "benchmark": ["--config", MISSING, "--steps", "1"],
     "caption": ["--ckpt", MISSING, "--images", "a.png"],
+    "consolidate": ["--ckpt", MISSING, "--output", "out.pth"],
     "evaluate": ["--ckpt", "a.ckpt", "--suite", MISSING, "--output", "out"],
     "export": ["--ckpt", MISSING, "--format", "timm", "--output", "out.pth"],
     "fashion_mnist": ["--data", MISSING, "--output", "out"],
