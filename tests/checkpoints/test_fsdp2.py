@@ -279,3 +279,18 @@ def test_a_failed_sharded_save_leaves_the_previous_folder_whole_and_nothing_half
     _save(strategy, last, 4)  # the next save clears what the killed one left
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
     assert inspect_checkpoint(str(last)) == (4, None)
+
+
+def test_fsdp2_mixed_precision_with_activation_checkpointing_trains_and_evaluates(tmp_path, tiny_demo):
+    """The GPU config's keys on CPU: bf16 compute, fp32 reduction, the model's grad_checkpointing.
+    Validation and the health callback (which calls encode_image, a named stage) run on the
+    gathered bf16 weights; the checkpoint keeps the fp32 master weights."""
+    import math
+
+    keys = ["--trainer.strategy.init_args.param_dtype=bfloat16", "--trainer.strategy.init_args.reduce_dtype=float32",
+            "--model.init_args.grad_checkpointing=true"]
+    _ok(run_mmssl([*_args("mae", tmp_path / "bf16", tiny_demo, TINY_MAE, 2), *FSDP2, *keys], tmp_path, timeout=240))
+    logged = last_metrics(tmp_path / "bf16" / "version_0", ("val/", "health/"))
+    assert math.isfinite(logged["val/loss"]) and "health/rankme" in logged
+    state = read_checkpoint(str(tmp_path / "bf16" / "kept" / "step=2.ckpt"))["state_dict"]
+    assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.float32}
