@@ -26,10 +26,17 @@ from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.log_step import LogStepOnResume
 from mmssl.callbacks.rng_state import RNGState
 from mmssl.callbacks.summary import RunSummary
-from mmssl.checkpoints.sharded import SafeCheckpointIO
 from mmssl.checkpoints.resume import (
-    RUN_ENV, check_checkpoint, export_plan, is_global_rank_zero, newest_complete, plan_run, run_checkpoints, versions,
+    RUN_ENV,
+    check_checkpoint,
+    export_plan,
+    is_global_rank_zero,
+    newest_complete,
+    plan_run,
+    run_checkpoints,
+    versions,
 )
+from mmssl.checkpoints.sharded import SafeCheckpointIO
 from mmssl.commands import dispatch
 from mmssl.signals import install_sigterm_watchdog
 

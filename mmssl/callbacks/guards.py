@@ -16,7 +16,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mmssl.log_cadence import logging_step
 from mmssl.upstream import (
-    clear_found_inf, ddp_buffer_sync_state, set_ddp_buffer_sync_state, set_found_inf, takes_found_inf)
+    clear_found_inf,
+    ddp_buffer_sync_state,
+    set_ddp_buffer_sync_state,
+    set_found_inf,
+    takes_found_inf,
+)
 
 
 class NonFiniteGuard(pl.Callback):

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from mmssl.checkpoints.layouts import strip_ddp
+
 # Types besides torch's own weights_only set that a checkpoint may pickle and mmssl accepts.
 # Measured with torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints written by
 # `mmssl fit` (configs/demo/{mae,clip}.yaml, ModelCheckpoint and LearningRateMonitor plus the

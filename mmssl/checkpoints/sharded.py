@@ -23,12 +23,11 @@ import glob
 import os
 import secrets
 import shutil
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
-
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -46,7 +45,8 @@ def hidden_name(path: Path, suffix: str) -> Path:
 
 def set_aside_folders(path: Path) -> list[Path]:
     """Complete folders a save set aside beside ``path`` and a kill left there (newest first)."""
-    found = [Path(p) for p in glob.glob(os.path.join(glob.escape(str(path.parent)), f".{glob.escape(path.name)}.*{OLD}"))]
+    pattern = os.path.join(glob.escape(str(path.parent)), f".{glob.escape(path.name)}.*{OLD}")
+    found = [Path(p) for p in glob.glob(pattern)]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
@@ -236,7 +236,10 @@ class FSDP2Strategy(ModelParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Each optimizer's state from the folder (resharded), or from a file's full state."""
         from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict)
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
 
         assert self.model is not None
         params = dict(self.model.named_parameters())

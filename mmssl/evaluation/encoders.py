@@ -19,13 +19,12 @@ from typing import Optional
 
 import open_clip
 import timm
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.checkpoints import read_state_dict
 from mmssl.checkpoints.load import load_lightning, model_class_names
+from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD
 from mmssl.models.classifier import vit_block_features, vit_probe_tokens
 
@@ -63,7 +62,8 @@ class TimmEncoder(nn.Module):
         return vit_block_features(self.model, images, pool, norm)
 
 
-def add_checkpoint_arguments(parser: argparse.ArgumentParser, state_dict_models: str = "timm name, open_clip name or .json",
+def add_checkpoint_arguments(parser: argparse.ArgumentParser,
+                             state_dict_models: str = "timm name, open_clip name or .json",
                              model_kwargs: bool = True, ckpt_required: bool = True) -> None:
     """The tools' checkpoint arguments: ``--ckpt``, ``--model``, ``--model-kwargs``, ``--model-class``
     and ``--ema`` (the arguments of :func:`load_model`).
@@ -74,7 +74,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser, state_dict_models:
         model_kwargs: add ``--model-kwargs`` (timm models only).
         ckpt_required: ``--ckpt`` must be given (a tool with another way in says so itself).
     """
-    parser.add_argument("--ckpt", required=ckpt_required, help="Lightning .ckpt, a state dict with --model, or an export folder")
+    parser.add_argument("--ckpt", required=ckpt_required,
+                        help="Lightning .ckpt (or a sharded checkpoint folder), a state dict with --model, "
+                        "or an export folder")
     parser.add_argument("--model", help=f"architecture of a state-dict file: {state_dict_models}")
     if model_kwargs:
         parser.add_argument("--model-kwargs", type=json.loads, default=None, help="JSON dict for timm.create_model")

@@ -35,12 +35,12 @@ from torchmetrics.classification import MulticlassAccuracy
 from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD  # MAE util/datasets.py normalisation
 from mmssl.distributed import seed_per_rank
 from mmssl.log_cadence import logging_step
-from mmssl.models.memory import compile_blocks, compile_options
 from mmssl.models.lora import CLASSIFIER_TRAINABLE, TIMM_TOWERS, LoraCheckpoint, enable_lora
+from mmssl.models.memory import compile_blocks, compile_options
 from mmssl.models.vit import load_encoder
-from mmssl.sharding import shard_model
 from mmssl.models.zero_shot_head import init_zero_shot_head
 from mmssl.optim import check_warmup, warmup_cosine
+from mmssl.sharding import shard_model
 from mmssl.upstream import attached_trainer
 
 # Keys a pretrained encoder does not provide: the new head, and fc_norm under global pooling

@@ -10,7 +10,6 @@ columns, open_clip's ``local_loss`` + ``gather_with_grad`` setting.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
@@ -30,13 +29,19 @@ from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.distill import build_distiller
 from mmssl.models.flip import install_flip_masking
 from mmssl.models.gradcache import cached_features
-from mmssl.models.locking import LockOptions, lock_towers
-from mmssl.models.memory import apply_memory_options
 from mmssl.models.lit import init_image_tower
+from mmssl.models.locking import LockOptions, lock_towers
 from mmssl.models.lora import CLIP_TRAINABLE, LoraCheckpoint, clip_towers, enable_lora
-from mmssl.models.scalars import install_scalar_hooks, record_scalar_keys, scalars_as_vectors
+from mmssl.models.memory import apply_memory_options
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
-    OPEN_CLIP_NO_DECAY, build_tokenizer, checkpoint_has, create_model, resolve_model_name, text_padding_is_inert)
+    OPEN_CLIP_NO_DECAY,
+    build_tokenizer,
+    checkpoint_has,
+    create_model,
+    resolve_model_name,
+    text_padding_is_inert,
+)
+from mmssl.models.scalars import install_scalar_hooks, record_scalar_keys, scalars_as_vectors
 from mmssl.models.teacher import tokenizer_signature
 from mmssl.optim import Phase, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 from mmssl.retrieval import RECALL_AT, distributed_retrieval_hits
@@ -195,7 +200,8 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
             init_image_tower(self.model, image_tower_init)
         lock_towers(self.model, LockOptions(lock_image, lock_image_unlocked_groups, lock_image_freeze_bn_stats,
                                             lock_text, lock_text_unlocked_layers, lock_text_freeze_layer_norm))
-        enable_lora(self, lora, clip_towers(self.model), {"pretrained": pretrained, "image_tower_init": image_tower_init},
+        enable_lora(self, lora, clip_towers(self.model),
+                    {"pretrained": pretrained, "image_tower_init": image_tower_init},
                     "pretrained", CLIP_TRAINABLE)
         if image_mask_ratio is None:
             vision_cfg = open_clip.get_model_config(name)["vision_cfg"]
@@ -226,7 +232,8 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         if contrastive_chunk_size is not None and contrastive_chunk_size < 1:
             raise ValueError(f"model.contrastive_chunk_size must be >= 1 (or null), got {contrastive_chunk_size}")
         self.contrastive_chunk_size = contrastive_chunk_size
-        self.unmasked_tune_lr_ratio, self.unmasked_tune_warmup_steps = unmasked_tune_lr_ratio, unmasked_tune_warmup_steps
+        self.unmasked_tune_lr_ratio = unmasked_tune_lr_ratio
+        self.unmasked_tune_warmup_steps = unmasked_tune_warmup_steps
         # open_clip_train/main.py: exclude = p.ndim < 2 or "bn"/"ln"/"bias"/"logit_scale" in n.
         self.no_weight_decay = list(OPEN_CLIP_NO_DECAY if no_weight_decay is None else no_weight_decay)
         self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)

@@ -270,16 +270,19 @@ class CoCa(CLIP):
         return {"sot_token_id": int(self.tokenizer.sot_token_id), "eos_token_id": int(self.tokenizer.eot_token_id),
                 "pad_token_id": self.pad_id}
 
-    def generate(self, images: Tensor, generation_type: str = "beam_search", seq_len: int = 20, **params: Any) -> Tensor:
+    def generate(self, images: Tensor, generation_type: str = "beam_search", seq_len: Optional[int] = None,
+                 **params: Any) -> Tensor:
         """Captions as token ids, (B, 3, H, W) -> (B, T), ``T <= seq_len`` (start token first):
         :func:`mmssl.models.generation.generate` with this tokenizer's special ids.
 
         Args:
             images: preprocessed images.
             generation_type: ``beam_search``, ``top_p`` or ``top_k``.
-            seq_len: longest output, at most the text context (``model.context_length``).
+            seq_len: longest output, at most the text context (``model.context_length``); ``None``:
+                the text context (a fixed default refused models with a shorter one: the demo CoCa's 18).
             **params: the generation type's parameters (``num_beams``, ``top_p``, ``top_k``, ...).
         """
+        seq_len = self.model.context_length if seq_len is None else seq_len
         if not 2 <= seq_len <= self.model.context_length:
             raise ValueError(f"seq_len must be in [2, {self.model.context_length}] (the text context), got {seq_len}")
         if generation_type != "beam_search":

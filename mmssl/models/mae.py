@@ -6,7 +6,6 @@ Follows facebookresearch/mae ``models_mae.py`` (``forward_decoder``, ``forward_l
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional, Union
 
 import torch
@@ -22,11 +21,11 @@ from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from mmssl.distributed import seed_per_rank
 from mmssl.log_cadence import logging_step
 from mmssl.losses import mae_loss
-from mmssl.models.memory import compile_blocks, compile_options, run_blocks
 from mmssl.models.masking import Masking, patchify, sample_noise, unpatchify
+from mmssl.models.memory import compile_blocks, compile_options, run_blocks
 from mmssl.models.vit import LayerNorm, MaskedViT, init_vit_weights, load_encoder, sincos_pos_embed_2d
-from mmssl.sharding import shard_model
 from mmssl.optim import NDIM_LT_2, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
+from mmssl.sharding import shard_model
 from mmssl.upstream import attached_trainer
 
 # timm 0.3.2 add_weight_decay, as main_pretrain.py calls it: len(shape) == 1 or name.endswith(".bias").

@@ -11,8 +11,8 @@ from typing import Any, Callable, Optional
 import open_clip
 import torch
 
-from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.checkpoints import read_checkpoint
+from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.optim import NDIM_LT_2
 
 RANDOM_INIT_NOTICE = "No pretrained weights loaded for model"

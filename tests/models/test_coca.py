@@ -149,6 +149,8 @@ def test_beam_search_of_one_beam_is_greedy_decoding(tiny_coca_json):
     assert len(wide) == 3 and all(isinstance(c, str) for c in wide)
     with pytest.raises(ValueError, match="seq_len must be in"):
         model.generate(images, seq_len=40)
+    # No seq_len: the model's own text context (a fixed 20 was refused by this 16-token context).
+    assert model.generate(images, generation_type="top_k", top_k=1).shape[1] <= model.model.context_length
 
 
 def test_names_class_matches_the_class_name_as_a_phrase():
