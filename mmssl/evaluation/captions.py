@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -39,8 +39,8 @@ def decode_captions(tokenizer: Any, ids: Tensor, sot_token_id: int, eos_token_id
 
 
 @torch.no_grad()
-def generate_captions(model: nn.Module, images: Tensor, generation_type: str = "beam_search", seq_len: int = 20,
-                      **params: Any) -> list[str]:
+def generate_captions(model: nn.Module, images: Tensor, generation_type: str = "beam_search",
+                      seq_len: Optional[int] = None, **params: Any) -> list[str]:
     """One caption per image.
 
     Sampling draws from a forked RNG (``frozen_eval``), so a caption pass inside training leaves
@@ -50,7 +50,7 @@ def generate_captions(model: nn.Module, images: Tensor, generation_type: str = "
         model: a CoCa module (left in its original mode).
         images: (B, 3, H, W) preprocessed images on the model's device.
         generation_type: ``beam_search``, ``top_p`` or ``top_k``.
-        seq_len: longest caption in tokens, start and end included.
+        seq_len: longest caption in tokens, start and end included; ``None``: the model's text context.
         **params: the type's parameters (``num_beams``, ``top_p``, ``top_k``, ``temperature``, ...).
 
     Returns:
