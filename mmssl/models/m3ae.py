@@ -21,7 +21,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 from open_clip.tokenizer import SimpleTokenizer
 from torch import nn
-from torchmetrics import MeanMetric, SumMetric
+from torchmetrics import MeanMetric
 
 from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from mmssl.distributed import seed_per_rank
@@ -173,10 +173,12 @@ class M3AE(LightningModule):
             nn.init.normal_(p, std=0.02)
         nn.init.normal_(self.token_embed.weight, std=0.02)
 
-        self.val_image_loss = MeanMetric()  # per-sample mean, weighted by samples
-        self.val_text_ce = SumMetric()  # summed over masked tokens
-        self.val_text_correct = SumMetric()
-        self.val_text_count = SumMetric()
+        # Sums and counts, reduced over ranks: per-sample image MSE weighted by samples; token CE
+        # and top-1 weighted by masked tokens, so the set's figures are means over all its tokens.
+        self.val_image_loss = MeanMetric()
+        self.val_text_loss = MeanMetric()
+        self.val_token_top1 = MeanMetric()
+        self.val_loss = self.val_image_loss + text_loss_weight * self.val_text_loss  # computed from the two
         self.no_weight_decay = list(MAE_NO_DECAY if no_weight_decay is None else no_weight_decay)
         self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
         unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
@@ -320,24 +322,17 @@ class M3AE(LightningModule):
         out = self(images, tokens, image_noise=sample_noise(images, self.encoder.num_patches),
                    text_noise=sample_noise(images, tokens.shape[1], seed=1))
         self.val_image_loss.update(out.image_loss.detach(), weight=images.shape[0])
-        self.val_text_ce.update(out.text_ce_sum.detach())
-        self.val_text_correct.update(out.text_correct.float())
-        self.val_text_count.update(out.text_count.float())
+        count = out.text_count.float()
+        self.val_text_loss.update(out.text_loss.detach(), weight=count)  # ce_sum / count, weight count
+        self.val_token_top1.update(out.text_correct.float() / count.clamp_min(1), weight=count)
 
     def on_validation_epoch_end(self) -> None:
-        # compute() reduces sums and counts over ranks on every rank, one with no batch included
-        # (as MAE's val_loss); the figures are then equal on every rank and logged unsynced.
-        image = self.val_image_loss.compute()
-        count = self.val_text_count.compute().clamp_min(1)
-        text = self.val_text_ce.compute() / count
-        self.log_dict({
-            "val/loss": image + self.text_loss_weight * text,
-            "val/image_loss": image,
-            "val/text_loss": text,
-            "val/masked_token_top1": self.val_text_correct.compute() / count,
-        }, prog_bar=False)
-        for metric in (self.val_image_loss, self.val_text_ce, self.val_text_correct, self.val_text_count):
-            metric.reset()
+        # Logged as metric objects: Lightning computes them on every rank, one without a batch
+        # included, reducing sums and counts inside compute (as MAE's val_loss), then resets them.
+        self.log("val/loss", self.val_loss, prog_bar=True)
+        self.log("val/image_loss", self.val_image_loss)
+        self.log("val/text_loss", self.val_text_loss)
+        self.log("val/masked_token_top1", self.val_token_top1)
 
     # MAE main_pretrain.py's AdamW groups, blr x global batch / 256 and per-step warm-up + cosine,
     # reading the same attributes (optimizer, no_weight_decay, _param_ndim, blr, warmup_steps, ...).

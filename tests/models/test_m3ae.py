@@ -82,12 +82,12 @@ def test_validation_masks_follow_the_sample_not_the_batch():
     sums = []
     for rows in ([0], [1], [0, 1]):
         model.validation_step({"image": images[rows], "text": tokens[rows]}, 0)
-        sums.append(torch.stack([model.val_text_ce.compute(), model.val_text_correct.compute(),
-                                 model.val_text_count.compute(), model.val_image_loss.compute() * len(rows)]))
-        for metric in (model.val_image_loss, model.val_text_ce, model.val_text_correct, model.val_text_count):
+        metrics = (model.val_image_loss, model.val_text_loss, model.val_token_top1)
+        sums.append(torch.stack([m.mean_value for m in metrics] + [model.val_text_loss.weight]))  # sums, tokens
+        for metric in metrics:
             metric.reset()
     torch.testing.assert_close(sums[0] + sums[1], sums[2])
-    assert sums[2][2] == 9 + 9  # 11 words each, int(11 * 0.25) = 2 kept
+    assert sums[2][3] == 9 + 9  # 11 words each, int(11 * 0.25) = 2 kept
 
 
 def test_its_checkpoints_are_not_taken_for_another_kind():
