@@ -40,7 +40,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     add_checkpoint_arguments(p, "open_clip CoCa model name or .json config", model_kwargs=False)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--images", nargs="+", metavar="IMAGE", help="image files (one or many)")
-    source.add_argument("--data", help="labelled set: clip_benchmark DIR or DIR/SPLIT, shard folder/pattern, or image folder")
+    source.add_argument(
+        "--data", help="labelled set: clip_benchmark DIR or DIR/SPLIT, shard folder/pattern, or image folder"
+    )
     p.add_argument("--classnames", help="class-names file (default: classnames.txt beside --data)")
     p.add_argument("--limit", type=int, help="caption only the first N samples of --data")
     add_option(p, "--output", help="write one JSON line per image here")

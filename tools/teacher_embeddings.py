@@ -6,10 +6,11 @@
 Writes ``OUTPUT/<shard>.npz`` per shard (``keys``, ``image`` and ``text``: (N, D) float32,
 L2-normalised) and ``OUTPUT/teacher.json`` last (teacher file and SHA-256, width, logit scale,
 image size and normalisation, and each local shard's size and a hash of its leading bytes, so
-that training refuses other shards of the same names), into a new folder beside ``OUTPUT`` that is renamed into place when
-whole: an interrupted run, ``--overwrite`` included, leaves ``OUTPUT`` as it was or (killed between
-the two renames of the swap) absent, never the side files of two teachers under one manifest. These are the side files :mod:`mmssl.data.teacher_embeddings` joins to the
-shards by sample key: train a student with ``--model.init_args.teacher_embeddings OUTPUT`` instead
+that training refuses other shards of the same names), into a new folder beside ``OUTPUT`` that
+is renamed into place when whole: an interrupted run, ``--overwrite`` included, leaves ``OUTPUT``
+as it was or (killed between the two renames of the swap) absent, never the side files of two
+teachers under one manifest. These are the side files :mod:`mmssl.data.teacher_embeddings` joins
+to the shards by sample key: train a student with ``--model.init_args.teacher_embeddings OUTPUT`` instead
 of ``--model.init_args.teacher FILE``. Images are seen as the teacher's eval transform shows them
 (resize, centre crop, its normalisation), captions through its own tokenizer. Samples that cannot
 be decoded are skipped, named and counted (the loader skips them too). ``--ckpt`` takes every
@@ -51,7 +52,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", help="local folder of the teacher's Hugging Face tokenizer, if its config names one")
     add_ema_argument(p)
     p.add_argument("--data", required=True, help="shards: folder, brace pattern or ::-joined specs")
-    p.add_argument("--output", required=True, help="folder to write (new or empty; --overwrite replaces an earlier one)")
+    p.add_argument(
+        "--output", required=True, help="folder to write (new or empty; --overwrite replaces an earlier one)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace the side files of an earlier run in --output")
     p.add_argument("--image-key", default="jpg;jpeg;png;webp", help="sample extensions holding the image")
     p.add_argument("--text-key", default="txt", help="sample extension holding the caption")

@@ -43,7 +43,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--start", required=True, help="start checkpoint (alpha 0): the zero-shot / pretrained model")
     p.add_argument("--end", required=True, help="fine-tuned checkpoint (alpha 1), same architecture")
-    p.add_argument("--alphas", type=float, nargs="+", default=list(DEFAULT_ALPHAS), help="mixing coefficients in [0, 1]")
+    p.add_argument(
+        "--alphas", type=float, nargs="+", default=list(DEFAULT_ALPHAS), help="mixing coefficients in [0, 1]"
+    )
     p.add_argument("--target", nargs="+", default=[], help="labelled set(s) the fine-tune is for")
     p.add_argument("--keep", nargs="+", default=[], help="labelled set(s) whose accuracy must be kept")
     p.add_argument("--reference", help="another fine-tune of the start (a full fine-tune, say): scored once, and each "

@@ -9,7 +9,8 @@ order; a blank line or a repeated name is refused), or class folders (named afte
 folders when there is no ``classnames.txt``). Samples with a bad ``cls`` or an image above
 ``max_image_pixels`` are skipped, named and counted (``skipped``). Prompts come
 from ``zeroshot_classification_templates.txt`` (beside the shards, else at the clip_benchmark
-root), ``--templates``, or CLIP's 80 ImageNet templates. ``--ckpt`` takes an mmssl CLIP Lightning checkpoint or an open_clip state dict with
+root), ``--templates``, or CLIP's 80 ImageNet templates. ``--ckpt`` takes an mmssl CLIP
+Lightning checkpoint or an open_clip state dict with
 ``--model NAME-or-json``; an image-only model (MAE, a fine-tuned ImageClassifier) is refused.
 """
 
@@ -27,7 +28,11 @@ from mmssl.tools._common import add_loader_arguments, add_output_json, run
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_arguments(p, "open_clip model name or .json config", model_kwargs=False)
-    p.add_argument("--data", required=True, help="labelled set: clip_benchmark DIR or DIR/SPLIT, shard folder/pattern, or image folder")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="labelled set: clip_benchmark DIR or DIR/SPLIT, shard folder/pattern, or image folder",
+    )
     p.add_argument("--classnames", help="class-names file (default: classnames.txt beside the data)")
     p.add_argument("--templates", help="templates file (default: beside the data, else the 80 OpenAI ones)")
     add_loader_arguments(p)

@@ -141,7 +141,11 @@ class RunSummary(pl.Callback):
             return
         for callback in trainer.callbacks:
             if type(callback) in (ModelSummary, RichModelSummary):  # its depth and options kept
-                note = "forward + backward of the first step, printed after it and at the end" if self.count_flops else None
+                note = (
+                    "forward + backward of the first step, printed after it and at the end"
+                    if self.count_flops
+                    else None
+                )
                 callback.summarize = functools.partial(summarize_without_flops, flops_note=note,
                                                        rich=type(callback) is RichModelSummary)
 
@@ -155,7 +159,9 @@ class RunSummary(pl.Callback):
             # attribute once, after the first micro-batch, and skips FLOP/s while it is None.
             module.flops_per_batch = None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         # Every rank counts (no collective involved); step 0 only, so a resumed run's steps run
         # with the default attention kernels as an uninterrupted run's did.
         if self.count_flops and trainer.global_step == 0 and self._counting is None and self._counter is None:
@@ -167,7 +173,9 @@ class RunSummary(pl.Callback):
         # work (image grids, probes), which is not training compute.
         self._stop_counting(trainer)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step > 0:  # a step that took no optimizer step (skipped) ends here
             self._stop_counting(trainer)
 

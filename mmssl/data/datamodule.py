@@ -36,9 +36,16 @@ from mmssl.data.pipeline import META_KEYS, ShardStream, StreamSpec, plan_stream
 from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources, shard_sizes
 from mmssl.data.state import EpochLoader, StreamPosition, run_seed, run_skipped
 from mmssl.data.teacher_embeddings import TeacherEmbeddings, check_shards
+from mmssl.data.transforms import (
+    OPENAI_MEAN,
+    OPENAI_STD,
+    BatchNormalize,
+    eval_transform,
+    timm_eval_transform,
+    timm_train_transform,
+    train_sample_transform,
+)
 from mmssl.distributed import is_sharded
-from mmssl.data.transforms import (OPENAI_MEAN, OPENAI_STD, BatchNormalize, eval_transform, timm_eval_transform,
-                                   timm_train_transform, train_sample_transform)
 
 __all__ = ["ImageTextDataModule", "count_samples", "expand_urls"]
 
@@ -314,7 +321,11 @@ class ImageTextDataModule(pl.LightningDataModule):
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Normalise uint8 training images on the device they were moved to (``normalize_on_device``)."""
-        if isinstance(batch, dict) and isinstance(batch.get("image"), torch.Tensor) and batch["image"].dtype == torch.uint8:
+        if (
+            isinstance(batch, dict)
+            and isinstance(batch.get("image"), torch.Tensor)
+            and batch["image"].dtype == torch.uint8
+        ):
             if self._device_normalize is None:
                 self._device_normalize = BatchNormalize(self.image_mean, self.image_std)
             batch["image"] = self._device_normalize(batch["image"])

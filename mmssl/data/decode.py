@@ -19,7 +19,6 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import default_collate
 
-
 # ``image.info`` key of a reduced-size JPEG decode: (stored width, stored height, reduction).
 REDUCED_FROM = "mmssl_reduced_from"
 # Largest image (width x height, from its header) decoded: PIL's own decompression-bomb warning

@@ -225,7 +225,9 @@ def augmentation_rng(seed: int, epoch: int, sample: dict) -> random.Random:
     return random.Random(f"{seed}/{epoch}/{os.path.basename(str(sample.get('__url__')))}/{sample.get('__key__')}")
 
 
-def collate(samples: list[dict], worker: int, raw: int, skipped: int, decoder: SampleDecoder) -> dict[str, torch.Tensor]:
+def collate(
+    samples: list[dict], worker: int, raw: int, skipped: int, decoder: SampleDecoder
+) -> dict[str, torch.Tensor]:
     """Stack samples with the decoder's :meth:`~SampleDecoder.collate` and attach the stream metadata."""
     batch = decoder.collate(samples)
     # Plain ints, not tensors: each tensor in a batch crosses from the worker through its own

@@ -143,7 +143,9 @@ class StreamPosition:
         self.raw[worker] = raw
         self.skipped += skipped
 
-    def state_dict(self, raw_per_rank: Optional[list[list[int]]] = None, skipped: Optional[int] = None) -> dict[str, Any]:
+    def state_dict(
+        self, raw_per_rank: Optional[list[list[int]]] = None, skipped: Optional[int] = None
+    ) -> dict[str, Any]:
         """The position; ``raw_per_rank`` holds every rank's ``raw`` (all ranks in lockstep share
         ``epoch`` and ``batches``) and ``skipped`` all ranks' total, defaulting to this rank's alone."""
         topology = None if self.topology is None else vars(self.topology).copy()

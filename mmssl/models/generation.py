@@ -60,7 +60,10 @@ def beam_search(model: nn.Module, images: Tensor, sot_token_id: int, eos_token_i
         cand = (scores.reshape(-1, 1) + logp).reshape(batch, k * vocab)  # (B, K*V)
         top, index = cand.topk(2 * k, dim=1)  # (B, 2K): enough to keep K live beams after EOS picks
         last = seqs.shape[1] + 1 == seq_len
-        new_seqs, new_scores = seqs.new_full((batch, k, seqs.shape[1] + 1), pad_token_id), torch.full_like(scores, float("-inf"))
+        new_seqs, new_scores = (
+            seqs.new_full((batch, k, seqs.shape[1] + 1), pad_token_id),
+            torch.full_like(scores, float("-inf")),
+        )
         for b in range(batch):
             kept = 0
             for score, idx in zip(top[b].tolist(), index[b].tolist()):

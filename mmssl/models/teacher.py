@@ -169,8 +169,10 @@ def _open_clip_teacher(path: str, name: str, state: dict, tokenizer_dir: Optiona
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
-        raise ValueError(f"{KEY}: the weights of {path} do not fit open_clip model {name!r}: "
-                         f"{str(err).splitlines()[0]} (name the right one with model.init_args.teacher_model)") from None
+        raise ValueError(
+            f"{KEY}: the weights of {path} do not fit open_clip model {name!r}: "
+            f"{str(err).splitlines()[0]} (name the right one with model.init_args.teacher_model)"
+        ) from None
     return Teacher(model, build_tokenizer(name, tokenizer_dir), tokenizer_signature(name, tokenizer_dir), path)
 
 
@@ -217,7 +219,9 @@ def _hf_teacher(folder: str) -> Teacher:
     try:
         model.load_state_dict(_read(weights_file(folder)))
     except RuntimeError as err:
-        raise ValueError(f"{KEY}: the weights of {folder} do not fit its config.json: {str(err).splitlines()[0]}") from None
+        raise ValueError(
+            f"{KEY}: the weights of {folder} do not fit its config.json: {str(err).splitlines()[0]}"
+        ) from None
     tokenizer = _hf_tokenizer(folder, int(config.text_config.max_position_embeddings), config)
     return Teacher(model, tokenizer, ("transformers", os.path.abspath(folder)), folder, hf=True)
 
@@ -258,7 +262,9 @@ def load_teacher(path: str, model_name: Optional[str] = None, tokenizer_dir: Opt
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"{KEY}: no teacher file or folder at {path!r}")
-    checkpoint = None if os.path.isdir(path) and not is_dcp_folder(path) else _read(path)  # a sharded run's folder reads whole
+    checkpoint = (
+        None if os.path.isdir(path) and not is_dcp_folder(path) else _read(path)
+    )  # a sharded run's folder reads whole
     if ema and not isinstance((checkpoint or {}).get("state_dict"), dict):
         raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this teacher is an export "
                          "or state dict, which holds one set of weights")

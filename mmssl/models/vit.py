@@ -11,7 +11,6 @@ Follows facebookresearch/mae ``models_mae.py`` (``forward_encoder``, ``initializ
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 from typing import Collection, Literal, Optional
 

@@ -26,9 +26,9 @@ import torch
 from open_clip.zero_shot_classifier import build_zero_shot_classifier
 from torch import Tensor, nn
 
-from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.checkpoints import read_checkpoint
 from mmssl.checkpoints.layouts import clip_to_open_clip
+from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.data.labeled import DEFAULT_TEMPLATES, TEMPLATES_FILE, read_classnames, read_templates
 from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
 

@@ -38,13 +38,27 @@ class FirstBatches(pl.Callback):
 def fit(tmp_path, tiny_demo, tiny_clip_json):
     def run(name: str, *args: str) -> dict:
         record = tmp_path / f"{name}{len(list(tmp_path.glob('*.json')))}.json"
-        main(["fit", "--config", str(REPO / "configs/demo/clip.yaml"), "--config",
-              str(REPO / "configs/demo/no_zero_shot.yaml"), f"--model.init_args.model_name={tiny_clip_json}",
-              f"--data.init_args.demo_dir={tiny_demo.root}", "--data.init_args.batch_size=16",
-              "--data.init_args.num_workers=0", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0",
-              "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-              f"--trainer.default_root_dir={tmp_path / name}", "--trainer.callbacks+=tests.data.test_run_seed.FirstBatches",
-              f"--trainer.callbacks.path={record}", *args])
+        main(
+            [
+                "fit",
+                "--config",
+                str(REPO / "configs/demo/clip.yaml"),
+                "--config",
+                str(REPO / "configs/demo/no_zero_shot.yaml"),
+                f"--model.init_args.model_name={tiny_clip_json}",
+                f"--data.init_args.demo_dir={tiny_demo.root}",
+                "--data.init_args.batch_size=16",
+                "--data.init_args.num_workers=0",
+                "--trainer.limit_val_batches=0",
+                "--trainer.num_sanity_val_steps=0",
+                "--trainer.enable_progress_bar=false",
+                "--trainer.enable_model_summary=false",
+                f"--trainer.default_root_dir={tmp_path / name}",
+                "--trainer.callbacks+=tests.data.test_run_seed.FirstBatches",
+                f"--trainer.callbacks.path={record}",
+                *args,
+            ]
+        )
         return json.loads(record.read_text())
 
     return run

@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import runpy
-import tarfile
 from pathlib import Path
 
 import lightning.pytorch as pl
