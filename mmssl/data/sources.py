@@ -181,7 +181,7 @@ def read_sizes_json(path: str) -> dict[str, int]:
 
     Raises:
         ValueError: the file is not JSON, not a mapping of shard file names to non-negative
-            integers; the message names the file and the first entries at fault.
+            integers below 2**63; the message names the file and the first entries at fault.
     """
     try:
         with open(path, encoding="utf-8") as f:
@@ -196,10 +196,12 @@ def read_sizes_json(path: str) -> dict[str, int]:
     if not isinstance(sizes, dict):
         raise ValueError(f"{path} holds a {type(sizes).__name__}, not a mapping of shard file names to samples "
                          '({"00000.tar": 10000, ...})')
-    bad = [(k, v) for k, v in sizes.items() if type(v) is not int or v < 0]
+    # Below 2**63: counts are summed and planned as int64 (torch, numpy); a larger one overflowed
+    # there, far from the file, with an unnamed OverflowError.
+    bad = [(k, v) for k, v in sizes.items() if type(v) is not int or not 0 <= v < 2**63]
     if bad:
         shown = ", ".join(f"{k!r}: {v!r}" for k, v in bad[:3])
-        raise ValueError(f"{path}: every value must be a non-negative integer (samples in the shard); "
+        raise ValueError(f"{path}: every value must be a non-negative integer below 2**63 (samples in the shard); "
                          f"{len(bad)} are not: {shown}{' ...' if len(bad) > 3 else ''}")
     return sizes
 

@@ -107,6 +107,7 @@ def test_a_sizes_json_that_says_too_few_warns_counts_and_reads_only_what_it_list
     ('{"00000.tar": -4}', r"non-negative integer.*'00000.tar': -4"),
     ("{not json", r"not valid JSON \(line 1"),
     ('{"00000.tar": "4"}', r"non-negative integer.*'00000.tar': '4'"),
+    ('{"00000.tar": 100000000000000000000}', r"below 2\*\*63.*'00000.tar': 100000000000000000000"),  # #44 item 13
     ('{"00000.tar": 4.0}', r"'00000.tar': 4.0"),
     ('{"00000.tar": true}', r"'00000.tar': True"),
     ('[4]', "a mapping of shard file names"),
