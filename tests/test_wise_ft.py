@@ -161,3 +161,24 @@ def test_the_tool_scores_a_reference_fine_tune_once_and_refuses_another_architec
     with pytest.raises(ValueError, match="hyper-parameter 'model_name'"):  # before any set is scored
         wise_ft_curve(Pair(str(start), str(end)), [0.0], [data], [], 16, reference=str(wider))
     assert _main()([*argv[:6], "--keep", data, "--reference", str(ref)]) == 1  # a reference needs a target set
+
+
+def test_two_mae_checkpoints_are_mixed_but_not_scored(tiny_demo, tmp_path, capsys):
+    """#44 item 10: two MAE checkpoints were mixed, then the scoring crashed in encode_text; the
+    tool now refuses before any set is read, naming the file, and still exports their mix."""
+    from mmssl.models.mae import MAE
+
+    kwargs = dict(image_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, decoder_embed_dim=32,
+                  decoder_depth=1, decoder_num_heads=2)
+    torch.manual_seed(0)
+    a = _save(MAE(**kwargs), tmp_path / "a.ckpt", "mmssl.models.mae.MAE")
+    b = _save(MAE(**kwargs), tmp_path / "b.ckpt", "mmssl.models.mae.MAE")
+    main = _main()
+    assert main(["--start", str(a), "--end", str(b), "--target", tiny_demo.eval_dir]) == 1
+    assert f"{b}: WiSE-FT scores a CLIP zero-shot" in capsys.readouterr().err
+    mix = tmp_path / "mix.ckpt"
+    assert main(["--start", str(a), "--end", str(b), "--export-alpha", "0.5", "--output", str(mix)]) == 0
+    mixed = torch.load(mix, weights_only=True)["state_dict"]
+    wa, wb = torch.load(a, weights_only=True)["state_dict"], torch.load(b, weights_only=True)["state_dict"]
+    key = "encoder.blocks.0.attn.qkv.weight"
+    torch.testing.assert_close(mixed[key], (wa[key] + wb[key]) / 2)

@@ -147,6 +147,10 @@ def _score(pair: Pair, mixed: nn.Module, targets: Sequence[str], keep: Sequence[
             "keep_mean": sum(kept.values()) / len(kept) if kept else None}
 
 
+# Kinds a mix can be scored as: zero-shot through their text tower, or by their classifier head.
+SCORED_KINDS = ("CLIP", "CoCa", "ImageClassifier")
+
+
 def wise_ft_curve(pair: Pair, alphas: Sequence[float], targets: Sequence[str], keep: Sequence[str],
                   batch_size: int = 256, num_workers: int = 0, limit: Optional[int] = None,
                   device: Optional[torch.device] = None, reference: Optional[str] = None) -> dict[str, Any]:
@@ -173,8 +177,12 @@ def wise_ft_curve(pair: Pair, alphas: Sequence[float], targets: Sequence[str], k
 
     Raises:
         ValueError: a reference that is not a fine-tune of the start's architecture (the first
-            mismatch named).
+            mismatch named); a kind that has no scoring here (an MAE: no text tower, no head).
     """
+    if pair.kind.name not in SCORED_KINDS:
+        raise ValueError(f"{pair.paths[1]}: WiSE-FT scores a CLIP zero-shot and a classifier by its head; a "
+                         f"{pair.kind.name} checkpoint has neither: mix it with --export-alpha and --output, then "
+                         "score the mix with tools/linear_probe.py")
     ref_pair = Pair(pair.paths[0], reference, pair.ema) if reference else None  # refused here, before any scoring
     points = []
     for alpha in alphas:
