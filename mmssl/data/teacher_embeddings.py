@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import zipfile
 from collections import OrderedDict
@@ -71,9 +72,14 @@ def read_manifest(folder: str) -> dict[str, Any]:
             manifest = json.load(f)
         except json.JSONDecodeError as err:
             raise ValueError(f"{KEY}: {path} is not JSON ({err})") from None
-    if manifest.get("format") != FORMAT or not isinstance(manifest.get("embed_dim"), int) \
-            or not isinstance(manifest.get("logit_scale"), (int, float)):
+    if manifest.get("format") != FORMAT or "embed_dim" not in manifest or "logit_scale" not in manifest:
         raise ValueError(f"{KEY}: {path} is not a {FORMAT} manifest with embed_dim and logit_scale")
+    # bool is an int to Python and JSON allows NaN: both passed, and failed later, far from here.
+    dim, scale = manifest["embed_dim"], manifest["logit_scale"]
+    if type(dim) is not int or dim < 1:
+        raise ValueError(f"{KEY}: {path}: embed_dim must be a positive integer, got {dim!r}")
+    if type(scale) not in (int, float) or not math.isfinite(scale):
+        raise ValueError(f"{KEY}: {path}: logit_scale must be a finite number, got {scale!r}")
     return manifest
 
 
@@ -199,7 +205,11 @@ class TeacherEmbeddings:
         if image.ndim != 2 or text.ndim != 2 or image.shape[1] != self.embed_dim or text.shape[1] != self.embed_dim:
             raise BadSample(f"teacher embeddings of width {image.shape[1:]} / {text.shape[1:]} in "
                             f"{side_file(self.folder, raw.get('__url__'))}, the manifest says {self.embed_dim}")
-        return np.asarray(image[i], dtype=np.float32), np.asarray(text[i], dtype=np.float32)
+        pair = np.asarray(image[i], dtype=np.float32), np.asarray(text[i], dtype=np.float32)
+        if not (np.isfinite(pair[0]).all() and np.isfinite(pair[1]).all()):  # a NaN target trains NaN
+            raise BadSample(f"non-finite teacher embeddings for key {key!r} in "
+                            f"{side_file(self.folder, raw.get('__url__'))}")
+        return pair
 
 
 def missing_side_files(folder: Optional[str], urls: list[str]) -> list[str]:

@@ -93,3 +93,30 @@ def test_stored_embeddings_join_each_sample_to_its_own_row_in_any_row_order(tmp_
         image, text = join.lookup({"__url__": url, "__key__": str(key)})
         np.testing.assert_array_equal(image, rows[key][0])
         np.testing.assert_array_equal(text, rows[key][1])
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("embed_dim", -3, "embed_dim must be a positive integer, got -3"),
+    ("embed_dim", True, "embed_dim must be a positive integer, got True"),
+    ("logit_scale", float("nan"), "logit_scale must be a finite number, got nan"),
+    ("logit_scale", "10", "logit_scale must be a finite number, got '10'"),
+])
+def test_a_manifest_with_a_bad_width_or_scale_is_refused_naming_it(tmp_path, field, value, says):
+    """#44 item 13: these passed the manifest check and failed later, far from the file."""
+    manifest = {"format": FORMAT, "embed_dim": 3, "logit_scale": 10.0, field: value}
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=f"{tmp_path / MANIFEST}: {says}"):
+        TeacherEmbeddings(str(tmp_path))
+
+
+def test_a_non_finite_stored_row_is_a_bad_sample_not_a_nan_target(tmp_path):
+    from mmssl.data.decode import BadSample
+
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": FORMAT, "embed_dim": 2, "logit_scale": 10.0}))
+    url = "/data/shards/00000.tar"
+    image = np.array([[1.0, 0.0], [np.nan, 0.0]], dtype=np.float32)
+    write_side_file(side_file(str(tmp_path), url), ["a", "b"], image, np.ones((2, 2), dtype=np.float32))
+    join = TeacherEmbeddings(str(tmp_path))
+    assert join.lookup({"__url__": url, "__key__": "a"})[0].tolist() == [1.0, 0.0]
+    with pytest.raises(BadSample, match="non-finite teacher embeddings for key 'b'"):
+        join.lookup({"__url__": url, "__key__": "b"})
