@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
-# A desynchronised collective must fail fast: the process-group timeout of test runs.
-PG_TIMEOUT = "--trainer.strategy.init_args.timeout=0:01:00"
+# A desynchronised collective must fail fast: the process-group timeout of test runs. Two minutes:
+# on 2 loaded cores a rank has once reached the first collective more than one minute after the
+# other (start-up, data workers), which a one-minute timeout reported as a hang.
+PG_TIMEOUT = "--trainer.strategy.init_args.timeout=0:02:00"
 
 
 def cli_env(**extra: str) -> dict[str, str]:
