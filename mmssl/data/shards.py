@@ -27,11 +27,7 @@ from tqdm import tqdm
 
 from mmssl.data.decode import BadSample, SampleDecoder, parse_label
 from mmssl.data.labeled import CLASSNAMES_FILE, NSHARDS_FILE, TEMPLATES_FILE, classnames_problem
-from mmssl.data.sources import SIZES_FILE, expand_urls, is_local, read_sizes_json
-
-# Beside shards being written (their file-name pattern inside), removed once sizes.json is: a
-# killed writer leaves whole-looking tars, which this file marks as an interrupted run's.
-INCOMPLETE_FILE = "incomplete.json"
+from mmssl.data.sources import INCOMPLETE_FILE, SIZES_FILE, expand_urls, is_local, read_sizes_json
 
 # inspect_shards warns about a shard whose most common label or caption covers more than this
 # fraction of its samples (a class-ordered shard: its batches would be nearly one class), once the
@@ -237,7 +233,7 @@ def inspect_shards(
         problems.append(f"{url}: unreadable ({type(exn).__name__}: {exn.args[0] if exn.args else ''})")
         return True
 
-    urls = expand_urls(data)
+    urls = expand_urls(data, incomplete_ok=True)  # reported as a problem below
     listed = _listed_sizes(urls, problems)
     for url in tqdm(urls, desc="checking shards", unit="shard"):
         values: dict[str, Counter] = {"label": Counter(), "caption": Counter()}

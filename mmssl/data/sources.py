@@ -34,6 +34,11 @@ from mmssl.data.folders import IMAGE_EXTENSIONS, folder_shard_size, folder_urls,
 
 log = logging.getLogger("mmssl.data")
 
+# Beside shards being written by tools/make_shards.py (their file-name pattern inside), removed once
+# sizes.json is: a killed writer leaves whole-looking tars, which this file marks as an interrupted
+# run's (its last shard may be cut short, later shards missing).
+INCOMPLETE_FILE = "incomplete.json"
+
 # What the config accepts; jsonargparse validates against this.
 DataSpec = Union[str, list[Union[str, dict[str, Any]]]]
 
@@ -78,7 +83,7 @@ def is_local(url: str) -> bool:
     return not url.startswith("pipe:") and "://" not in url and not url.startswith("file:")
 
 
-def expand_urls(pattern: Union[str, Sequence[str]], must_exist: bool = True) -> list[str]:
+def expand_urls(pattern: Union[str, Sequence[str]], must_exist: bool = True, incomplete_ok: bool = False) -> list[str]:
     """Expand a shard spec into URLs.
 
     Args:
@@ -86,12 +91,15 @@ def expand_urls(pattern: Union[str, Sequence[str]], must_exist: bool = True) -> 
             folder (every ``*.tar`` inside, sorted), an image folder with class sub-folders (its
             virtual shards, :mod:`mmssl.data.folders`), a URL or ``pipe:`` command, or a list of these.
         must_exist: check that local shards exist (planning from ``sizes.json`` alone does not).
+        incomplete_ok: accept shards in a folder that :data:`INCOMPLETE_FILE` marks as an
+            interrupted writer's (``inspect_shards`` reports it instead).
 
     Returns:
         The list of shard URLs, in the order given.
 
     Raises:
         FileNotFoundError: a folder holds no ``.tar`` shard, or a local shard does not exist.
+        ValueError: a local shard's folder holds :data:`INCOMPLETE_FILE`, naming the folder.
     """
     parts = [pattern] if isinstance(pattern, str) else list(pattern)
     urls: list[str] = []
@@ -123,7 +131,23 @@ def expand_urls(pattern: Union[str, Sequence[str]], must_exist: bool = True) -> 
         )
     if not urls:
         raise FileNotFoundError(f"shard spec {pattern!r} names no shard")
+    if not incomplete_ok:
+        refuse_incomplete(urls)
     return urls
+
+
+def refuse_incomplete(urls: Sequence[str]) -> None:
+    """Refuse local shards whose folder an interrupted ``tools/make_shards.py`` left.
+
+    Raises:
+        ValueError: a folder holds :data:`INCOMPLETE_FILE`, naming the folder and the way out.
+    """
+    for folder in dict.fromkeys(os.path.dirname(u) for u in urls if is_local(u) and not is_folder_url(u)):
+        if os.path.exists(os.path.join(folder or ".", INCOMPLETE_FILE)):
+            raise ValueError(
+                f"{folder} is incomplete: its writer (tools/make_shards.py) stopped before writing {SIZES_FILE} "
+                f"({INCOMPLETE_FILE} is there), so its last shard may be cut short and shards may be missing: "
+                "run make_shards again with --overwrite (tools/inspect_shards.py checks the result)")
 
 
 def parse_sources(spec: DataSpec) -> list[Source]:
