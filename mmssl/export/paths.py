@@ -4,10 +4,12 @@ temporary file or folder beside the target, so a refused or failed export leaves
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 import tempfile
-from typing import Callable
+from typing import IO, Callable, Optional
 
 import torch
 
@@ -71,24 +73,91 @@ def _umask_mode(path: str, folder: bool) -> None:
     os.chmod(path, (0o777 if folder else 0o666) & ~mask)
 
 
+# The errors of a write that the medium refused (full disk, quota, file too large, read-only
+# mount): reported as a failure to write the output, not as whatever library was writing.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+class _RecordingFile:
+    """A binary file that remembers the ``OSError`` of a failed write: ``torch.save`` turns it into
+    a ``RuntimeError`` without the errno ("unexpected pos", "file write failed")."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _write_errno(err: BaseException) -> Optional[int]:
+    """The errno of a refused write in ``err`` or its causes, if one of :data:`WRITE_ERRNOS`
+    (safetensors' Rust errors carry it only in their text, ``(os error 28)``)."""
+    seen = 0
+    while err is not None and seen < 8:
+        code = err.errno if isinstance(err, OSError) else None
+        if code is None and (found := re.search(r"\(os error (\d+)\)", str(err))):
+            code = int(found.group(1))
+        if code in WRITE_ERRNOS:
+            return code
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
+
+
+def write_failed(output: str, err: BaseException, kind: str = "file") -> Optional[OSError]:
+    """The one error for a write of ``output`` that the medium refused, or ``None`` for any other error.
+
+    Args:
+        output: the file or folder the user named.
+        err: what the writer raised.
+        kind: ``file`` or ``folder``, for the message.
+
+    Returns:
+        ``OSError(errno, "could not write it (CAUSE); ...", output)``, saying that an earlier
+        ``kind`` there is unchanged, or that none was written, and that no partial one is left.
+    """
+    code = _write_errno(err)
+    if code is None:
+        return None
+    kept = f"the earlier {kind} there is unchanged" if os.path.lexists(output) else f"no {kind} was written"
+    return OSError(code, f"could not write it ({os.strerror(code)}); {kept}, and no partial one is left", output)
+
+
 def save_state_file(state: StateDict, output: str) -> None:
     """Save a state dict to ``output`` through a temporary file beside it, then ``os.replace``
-    (a failed write leaves an existing file whole). ``.safetensors`` by suffix, else ``torch.save``."""
+    (a failed write leaves an existing file whole). ``.safetensors`` by suffix, else ``torch.save``.
+
+    Raises:
+        OSError: the medium refused the write (full disk, quota): one error naming ``output`` and
+            the cause (:func:`write_failed`); no temporary file is left.
+    """
     folder = os.path.dirname(os.path.abspath(output))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(output)}.", suffix=".tmp", dir=folder)
-    os.close(fd)
+    recorder = None
     try:
         if output.endswith(".safetensors"):
+            os.close(fd)
             from safetensors.torch import save_file
 
             save_file(state, tmp)
         else:
-            torch.save(state, tmp)
+            with os.fdopen(fd, "wb") as file:
+                recorder = _RecordingFile(file)
+                torch.save(state, recorder)
         _umask_mode(tmp, folder=False)
         os.replace(tmp, output)
-    except BaseException:
+    except BaseException as err:
         os.unlink(tmp)
+        failed = write_failed(output, recorder.error if recorder and recorder.error else err, "file")
+        if failed is not None:
+            raise failed from err
         raise
 
 
@@ -98,6 +167,10 @@ def write_folder(output: str, write: Callable[[str], StateDict]) -> StateDict:
 
     Returns:
         What ``write`` returns.
+
+    Raises:
+        OSError: the medium refused a write (full disk, quota): one error naming ``output`` and the
+            cause (:func:`write_failed`); the new folder is removed, ``output`` left as it was.
     """
     parent = os.path.dirname(os.path.abspath(output))
     os.makedirs(parent, exist_ok=True)
@@ -112,7 +185,10 @@ def write_folder(output: str, write: Callable[[str], StateDict]) -> StateDict:
             shutil.rmtree(old)
         else:
             os.replace(tmp, output)  # an empty folder at output is replaced
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        failed = write_failed(output, err, "folder")
+        if failed is not None:
+            raise failed from err
         raise
     return state
