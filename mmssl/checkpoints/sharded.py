@@ -32,10 +32,24 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from mmssl.checkpoints.io import AtomicCheckpointIO, atomic_torch_save, fsync_folder
-from mmssl.checkpoints.read import LIGHTNING_META, is_dcp_folder, load_dcp, read_checkpoint, read_dcp_metadata
+from mmssl.checkpoints.read import (
+    LIGHTNING_META,
+    RAW_WEIGHTS,
+    is_dcp_folder,
+    load_dcp,
+    read_checkpoint,
+    read_dcp_metadata,
+)
 from mmssl.sharding import DTYPES, ShardingPolicy, check_sharded
 
 PARTIAL, OLD = ".partial", ".old"
+# The entry of a checkpoint folder holding an EMA's averaged weights (mmssl.callbacks.EMA), sharded
+# as the parameters; the folder's ``state_dict`` holds the raw weights.
+AVERAGED_WEIGHTS = "averaged_state_dict"
+
+
+class CheckpointWriteError(OSError):
+    """A sharded checkpoint could not be completed; raised on every rank, naming the folder."""
 
 
 def hidden_name(path: Path, suffix: str) -> Path:
@@ -157,23 +171,51 @@ class FSDP2Strategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath))).absolute()
         temp = Path(self.broadcast(str(hidden_name(path, PARTIAL))))
         state = {"state_dict": checkpoint.pop("state_dict")}
+        if isinstance(checkpoint.get(RAW_WEIGHTS), dict):
+            # An EMA's checkpoint (WeightAveraging's layout: the average in ``state_dict``). In the
+            # folder ``state_dict`` is the raw weights, which every resume trains on (with or without
+            # the EMA callback), and the average its own entry, each sharded as the parameters.
+            state = {"state_dict": checkpoint.pop(RAW_WEIGHTS), AVERAGED_WEIGHTS: state["state_dict"]}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        self._on_every_rank(lambda: temp.mkdir(parents=True), f"create {temp.name}", temp, path)
         try:
-            if self.global_rank == 0:
-                temp.mkdir(parents=True)
-            self.barrier()
             dcp.save(state, checkpoint_id=temp)  # .metadata written last, by the coordinator
-            if self.global_rank == 0:
-                atomic_torch_save(checkpoint, str(temp / LIGHTNING_META))
-                for name in os.listdir(temp):  # the shards are on disk before the folder is named
-                    with open(temp / name, "rb+") as f:
-                        os.fsync(f.fileno())
-                self._replace(temp, path)
         except BaseException:
             if self.global_rank == 0:
                 shutil.rmtree(temp, ignore_errors=True)
             raise
-        self.barrier()
+        self._on_every_rank(lambda: self._complete(checkpoint, temp, path),
+                            f"write {LIGHTNING_META} or rename the folder", temp, path)
+
+    def _on_every_rank(self, write: Any, what: str, temp: Path, path: Path) -> None:
+        """Run ``write`` on rank 0 and give its outcome to every rank: a failure there (a full disk
+        while ``meta.pt`` is written, a refused rename) raises :class:`CheckpointWriteError` on
+        every rank at once, where the other ranks would otherwise wait at the next collective
+        until the process-group timeout. The broadcast is the collective every rank joins, the
+        failing rank included; rank 0 removes the half-written folder first."""
+        failure: Optional[BaseException] = None
+        if self.global_rank == 0:
+            try:
+                write()
+            except BaseException as err:  # a KeyboardInterrupt too: the other ranks must not wait
+                failure = err
+                shutil.rmtree(temp, ignore_errors=True)
+        message = self.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if message is None:
+            return
+        error = CheckpointWriteError(f"{path}: the sharded checkpoint was not saved: rank 0 could not {what} "
+                                     f"({message}); the previous checkpoint there is unchanged")
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure  # an interrupt stays an interrupt on the rank it reached
+        raise error from failure
+
+    def _complete(self, checkpoint: dict[str, Any], temp: Path, path: Path) -> None:
+        """Rank 0: ``meta.pt``, every file synced, then the folder renamed to ``path``."""
+        atomic_torch_save(checkpoint, str(temp / LIGHTNING_META))
+        for name in os.listdir(temp):  # the shards are on disk before the folder is named
+            with open(temp / name, "rb+") as f:
+                os.fsync(f.fileno())
+        self._replace(temp, path)
 
     @staticmethod
     def _replace(temp: Path, path: Path) -> None:
@@ -301,4 +343,5 @@ def is_sharded_checkpoint(path: str) -> bool:
     return is_dcp_folder(path)
 
 
-__all__ = ["FSDP2Strategy", "SafeCheckpointIO", "is_sharded_checkpoint", "set_aside_folders"]
+__all__ = ["AVERAGED_WEIGHTS", "CheckpointWriteError", "FSDP2Strategy", "SafeCheckpointIO", "is_sharded_checkpoint",
+           "set_aside_folders"]

@@ -294,3 +294,71 @@ def test_fsdp2_mixed_precision_with_activation_checkpointing_trains_and_evaluate
     assert math.isfinite(logged["val/loss"]) and "health/rankme" in logged
     state = read_checkpoint(str(tmp_path / "bf16" / "kept" / "step=2.ckpt"))["state_dict"]
     assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.float32}
+
+
+_RANK_SAVES = '''
+import errno, os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
+from mmssl.checkpoints import sharded
+
+rank, folder, fault = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(minutes=5))
+strategy = sharded.FSDP2Strategy()
+strategy.cluster_environment = LightningEnvironment()
+strategy.cluster_environment.set_global_rank(rank)
+strategy.cluster_environment.set_world_size(2)
+
+def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+def save(step):
+    strategy.save_checkpoint({"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step}, folder)
+
+save(1)
+if rank == 0:  # rank 0 alone writes meta.pt and renames: there the disk fills, or the rename fails
+    if fault == "meta":
+        sharded.atomic_torch_save = full
+    else:
+        sharded.FSDP2Strategy._replace = staticmethod(lambda temp, path: full())
+start = time.monotonic()
+try:
+    save(2)
+except sharded.CheckpointWriteError as err:
+    print(f"rank {rank} raised after {time.monotonic() - start:.1f} s: {err}", flush=True)
+    dist.barrier()  # both ranks are here: the process group still works
+    sys.exit(3)
+sys.exit(0)
+'''
+
+
+@pytest.mark.parametrize("fault", ["meta", "rename"])
+def test_a_failed_write_on_rank_0_is_raised_on_every_rank_at_once(fault, tmp_path):
+    """Rank 0 alone writes meta.pt and renames the folder: when that fails, every rank raises
+    CheckpointWriteError naming the folder at once (the outcome is broadcast), where rank 1 once
+    waited at a barrier until the process-group timeout (5 min here; the runs get 90 s)."""
+    import subprocess
+    import time
+
+    from tests.cli_runs import cli_env
+
+    script = tmp_path / "save.py"
+    script.write_text(_RANK_SAVES)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    env = cli_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 2000 + (fault == "rename")))
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(last), fault], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in (0, 1)]
+    deadline, outs = time.monotonic() + 90, []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, (proc, out) in enumerate(zip(procs, outs)):
+        assert proc.returncode == 3, f"rank {rank}:\n{out[-3000:]}"
+        assert f"rank {rank} raised" in out and str(last) in out and "No space left" in out, out[-3000:]
+        assert "the previous checkpoint there is unchanged" in out
+    assert inspect_checkpoint(str(last)) == (1, None)
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
