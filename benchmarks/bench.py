@@ -229,7 +229,7 @@ def benchmark(
         patch_dropout: drop this fraction of image patches in both (open_clip's PatchDropout).
         repeats: run the pair this many times, alternating (A B A B ...), so a machine whose
             speed drifts (shared CPUs) affects both alike; the ratio is the median of the pairs'.
-        flip: mmssl's own FLIP masking (``model.init_args.image_mask_ratio``) against open_clip's
+        flip: mmssl's own FLIP masking (``model.init_args.flip.mask_ratio``) against open_clip's
             ``--force-patch-dropout`` at the same ratio.
         compare_lightly: also train lightly's MAE (MAE configs) with the same sizes, data,
             optimizer and precision (``benchmarks/lightly_peer.py``); report mmssl / lightly.
@@ -256,7 +256,7 @@ def benchmark(
             model_name = with_patch_dropout(model_name, patch_dropout, root)
             overrides = [*overrides, f"--model.init_args.model_name={model_name}"]
         if flip:
-            overrides = [*overrides, f"--model.init_args.image_mask_ratio={flip}"]
+            overrides = [*overrides, f"--model.init_args.flip.mask_ratio={flip}"]
         runs: list[dict[str, Any]] = []
         for i in range(repeats):
             mine = run_mmssl(config, overrides, warmup, steps, os.path.join(root, f"mmssl{i}"))

@@ -5,7 +5,7 @@
 Each mode runs in a fresh process (so that one's peak memory cannot hide another's), on the same
 random batch, with mmssl's CLIP module and its loss: ``full`` (every parameter trains), ``lora``
 (``model.lora: {r, alpha: r}`` on both towers: attention and MLP layers, see
-``mmssl.models.lora``), ``lock_image`` (LiT: the image tower frozen, the text tower trains). Each
+``mmssl.models.lora``), ``lock.image`` (LiT: the image tower frozen, the text tower trains). Each
 does ``--warmup`` untimed and ``--steps`` timed steps of forward, backward and fused AdamW.
 
 Printed per mode: trainable / total parameters, the median step time, and peak memory: on CUDA
@@ -57,7 +57,7 @@ def measure(mode: str, model: str, batch_size: int, steps: int, warmup: int, ran
         if mode == "lora":
             kwargs["lora"] = {"r": rank, "alpha": rank}
         elif mode == "lock_image":
-            kwargs["lock_image"] = True
+            kwargs["lock"] = {"image": True}
         module = CLIP(**kwargs).to(device).train()
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)

@@ -35,7 +35,7 @@ sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
 
 VARIANTS = {
     "clip": {"baseline": {}, "grad_checkpointing": {"grad_checkpointing": True}, "compile": {"compile": True},
-             "lock_image": {"lock_image": True}, "lock_text": {"lock_text": True}},
+             "lock_image": {"lock": {"image": True}}, "lock_text": {"lock": {"text": True}}},
     "mae": {"baseline": {}, "grad_checkpointing": {"grad_checkpointing": True}, "compile": {"compile": True}},
 }
 CAPTIONS = ["a photo of a small red circle on a white background", "a big blue square in the top left corner"]

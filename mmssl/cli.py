@@ -14,6 +14,7 @@ import warnings
 from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
+import yaml
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -26,6 +27,7 @@ from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.log_step import LogStepOnResume
 from mmssl.callbacks.rng_state import RNGState
 from mmssl.callbacks.summary import RunSummary
+from mmssl.checkpoints.layouts import KINDS
 from mmssl.checkpoints.resume import (
     RUN_ENV,
     check_checkpoint,
@@ -38,6 +40,7 @@ from mmssl.checkpoints.resume import (
 )
 from mmssl.checkpoints.sharded import SafeCheckpointIO
 from mmssl.commands import dispatch
+from mmssl.renames import model_renames, upgrade_command_line
 from mmssl.signals import install_sigterm_watchdog
 
 
@@ -121,6 +124,11 @@ class MMSSLCLI(LightningCLI):
                 os.environ.pop(RUN_ENV, None)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        if args is None or isinstance(args, (list, tuple)):
+            # Saved config.yaml files and command lines of earlier runs, keys renamed since (mmssl.renames).
+            renames = model_renames(kind.class_path for kind in KINDS)
+            args = list(sys.argv[1:] if args is None else args)
+            args = upgrade_command_line(args, renames, _read_yaml, yaml.safe_dump)
         super().parse_arguments(parser, args)
         # LightningCLI then reads the checkpoint's hyper-parameters with a bare torch.load: a
         # truncated, empty or code-bearing file would fail there with miniz's, pickle's or EOF's
@@ -169,6 +177,14 @@ class MMSSLCLI(LightningCLI):
         # must see its correction of the logging step.
         trainer.callbacks.sort(key=lambda callback: not isinstance(callback, LogStepOnResume))
         return trainer
+
+
+def _read_yaml(path: str) -> Any:
+    """A ``--config`` file's parsed YAML; ``None`` for a value that is no file (LightningCLI reports it)."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return yaml.safe_load(f)
 
 
 def _safe_model_parallel(trainer_init: Any, trainer_config: Any, kwargs: dict) -> None:

@@ -117,7 +117,7 @@ def test_every_name_in_the_mmssl_column_exists(cli_keys):
     problems = {item: why for _, items in _rows() for item in items
                 if (why := _problem(item, cli_keys, model_fields)) is not None}
     assert not problems, problems
-    assert {"model.lock_text", "model.grad_checkpointing", "model.compile"} <= cli_keys
+    assert {"model.lock.text", "model.grad_checkpointing", "model.compile"} <= cli_keys
 
 
 def test_stored_arguments_are_those_of_the_installed_open_clip_train(monkeypatch):

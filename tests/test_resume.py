@@ -4,7 +4,7 @@ Every run goes through the real CLI. Killed runs are subprocesses (a real SIGKIL
 single-process references and resumes run in this process (``main([...])``) to save the ~10 s
 import of a fresh interpreter. What makes the comparison strict:
 
-- ``image_mask_ratio=0.5``: FLIP masks come from the global torch RNG of the training process,
+- ``flip.mask_ratio=0.5``: FLIP masks come from the global torch RNG of the training process,
   so the final weights depend on :class:`~mmssl.callbacks.RNGState` restoring it (without it, the
   resumed runs here end up to 1.5e-4 and 6e-4 away from the uninterrupted run's weights).
 - ``crop_scale=[0.5, 1]``, ``hflip``: random crops and flips in the loader workers, so the
@@ -102,8 +102,9 @@ def _config(tmp_path: Path, root: Path, demo: DemoData, batch_size: int, workers
                  "init_args": {"data": demo.eval_dir}},
             ],
         },
-        "model": {"init_args": {"model_name": MICRO_CLIP, "warmup_steps": 2, "image_mask_ratio": 0.5,
-                                "unmasked_tune_steps": tune_steps, "unmasked_tune_warmup_steps": 2}},
+        "model": {"init_args": {"model_name": MICRO_CLIP, "warmup_steps": 2,
+                                "flip": {"mask_ratio": 0.5, "unmasked_tune_steps": tune_steps,
+                                         "unmasked_tune_warmup_steps": 2}}},
         "data": {"init_args": {**(data or {"demo_dir": demo.root}), "batch_size": batch_size,
                                "num_workers": workers, "crop_scale": [0.5, 1.0], "hflip": True}},
     }

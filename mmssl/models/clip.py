@@ -9,28 +9,27 @@ columns, open_clip's ``local_loss`` + ``gather_with_grad`` setting.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import open_clip
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from torchmetrics import MeanMetric, MetricCollection
 
 from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.data.decode import trim_text_padding
 from mmssl.distributed import gather_with_grad, is_sharded, rank, seed_per_rank
 from mmssl.log_cadence import logging_step
 from mmssl.losses import clip_loss, siglip_loss
-from mmssl.models.distill import build_distiller
-from mmssl.models.flip import install_flip_masking
+from mmssl.models.distill import DISTILL_RENAMES, Distillation, build_distiller
+from mmssl.models.flip import FLIP_RENAMES, Flip, install_flip_masking
 from mmssl.models.gradcache import cached_features
 from mmssl.models.lit import init_image_tower
-from mmssl.models.locking import LockOptions, lock_towers
+from mmssl.models.locking import LOCK_RENAMES, LockOptions, lock_towers
 from mmssl.models.lora import CLIP_TRAINABLE, LoraCheckpoint, clip_towers, enable_lora
 from mmssl.models.memory import apply_memory_options
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
@@ -41,10 +40,10 @@ from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.m
     resolve_model_name,
     text_padding_is_inert,
 )
+from mmssl.models.parts import RetrievalValidation, as_group, plain_groups
 from mmssl.models.scalars import install_scalar_hooks, record_scalar_keys, scalars_as_vectors
 from mmssl.models.teacher import tokenizer_signature
-from mmssl.optim import Phase, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
-from mmssl.retrieval import RECALL_AT, distributed_retrieval_hits
+from mmssl.optim import check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 from mmssl.sharding import shard_model
 from mmssl.upstream import attached_trainer, open_clip_encode_text_prefix
 
@@ -59,6 +58,13 @@ LOSS_INIT: dict[str, tuple[float, Optional[float]]] = {
 class CLIP(LoraCheckpoint, pl.LightningModule):
     """Contrastive image-text pretraining: CLIP, SigLIP, FLIP and LiT from one module.
 
+    The features it shares with other models are parts, each a config group taken whole:
+    ``flip`` (FLIP's masking and unmasked tuning, :class:`~mmssl.models.flip.Flip`), ``lock``
+    (LiT's tower locking, :class:`~mmssl.models.locking.LockOptions`), ``distill`` (a frozen
+    teacher, :class:`~mmssl.models.distill.Distillation`), ``lora`` (:mod:`mmssl.models.lora`),
+    GradCache (``contrastive_chunk_size``, :mod:`mmssl.models.gradcache`) and the held-out retrieval
+    figures (:class:`~mmssl.models.parts.RetrievalValidation`).
+
     Args:
         model_name: open_clip model config name, or path to a JSON config file.
         pretrained: local open_clip checkpoint file to start from (e.g. one written by
@@ -68,22 +74,11 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         init_logit_scale: initial log of the logit scale; ``None``: log(1/0.07) for clip,
             log(10) for siglip.
         init_logit_bias: initial logit bias; ``None``: none for clip, -10 for siglip.
-        image_mask_ratio: FLIP: fraction of image patches dropped in training (0.5 in the
-            paper); ``None`` keeps the model config's ``patch_dropout`` (0 when unset).
-        unmasked_tune_steps: FLIP sec. 3 "unmasked tuning": the last this many optimizer steps
-            of the run (``trainer.max_steps`` includes them) train on whole images, closing the
-            masked/unmasked distribution gap. They are a phase of their own, as in the FLIP
-            README: the masked schedule's cosine ends where they start, then a new warm-up and
-            cosine to 0 at ``unmasked_tune_lr_ratio`` x the masked phase's peak LR.
-        unmasked_tune_lr_ratio: peak LR of the tuning phase over the masked phase's (FLIP
-            README: base lr 4e-8 vs 4e-6 per 256 samples, so 0.01 at any batch size).
-        unmasked_tune_warmup_steps: linear warm-up steps of the tuning phase.
-        lock_image: LiT (Zhai et al. 2022): freeze the image tower, train the text tower only.
-        lock_image_unlocked_groups: with ``lock_image``, leave the last n layer groups trainable
-            (open_clip's groups: stem, each block, last block + final norm, projection; a timm
-            tower's ``group_matcher``). Refused for a tower locked whole (ResNet) or past its count.
+        logit_scale_max: clamp of the learned logit scale (CLIP: 100).
         optimizer: optimizer factory over two parameter groups (decayed, and weight decay 0 for
             the ``no_weight_decay`` parameters); AdamW by default.
+        warmup_steps: linear warm-up steps before the cosine decay.
+        min_lr_ratio: final LR of the cosine as a fraction of the peak.
         no_weight_decay: which parameters are not decayed: ``fnmatch`` globs on the names of
             ``named_parameters()`` (``model.visual.positional_embedding``), plus ``"ndim<2"`` for
             every parameter built with fewer than 2 dims. Decided from names and shapes recorded
@@ -92,9 +87,6 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
             the name); recipes set the rule of their own source.
         tokenizer: local folder of a Hugging Face tokenizer, for model configs whose tokenizer
             is one (``ViT-B-16-SigLIP``: SentencePiece); mmssl never downloads it.
-        warmup_steps: linear warm-up steps before the cosine decay.
-        min_lr_ratio: final LR of the cosine as a fraction of the peak.
-        logit_scale_max: clamp of the learned logit scale (CLIP: 100).
         trim_text_padding: run the text tower only up to the longest caption of each batch
             instead of the full context (open_clip always runs all ``context_length`` positions).
             Exact: with a causal text tower and end-of-text pooling the output is unchanged
@@ -111,30 +103,21 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         compile: ``torch.compile`` the towers' transformer blocks in place (regional
             compilation); ``true`` for torch's defaults or a dict of ``torch.compile`` arguments
             (``{mode: max-autotune}``). Pays on GPUs; docs/benchmarks.md has the figures.
-        lock_text: freeze the text tower (open_clip ``lock_text_tower``; LiT's other half).
-        lock_text_unlocked_layers: with ``lock_text``, leave the last n layers trainable.
-        lock_text_freeze_layer_norm: with ``lock_text``, keep LayerNorms frozen too; ``false``
-            only for HF text towers (open_clip's own locks them with the other weights).
-        lock_image_freeze_bn_stats: with ``lock_image``, freeze the batch-norm statistics of the
-            locked groups (towers with batch norm only: ResNets, timm CNNs).
-        teacher: distillation (docs/distill.md): a frozen CLIP teacher's file or folder (mmssl
-            checkpoint, open_clip state dict with ``teacher_model``, ``open_clip_hf`` or transformers
-            folder: ``mmssl.models.teacher``), run online; its path and SHA-256 are saved, never its weights.
-        teacher_model: the open_clip model name or JSON config of a ``teacher`` state-dict file.
-        teacher_tokenizer: local folder of the teacher's Hugging Face tokenizer, if its config names one.
-        teacher_embeddings: stored teacher embeddings instead (``tools/teacher_embeddings.py``'s folder).
-        teacher_embed_dim: the teacher's width, recorded from it (a distilled checkpoint's projection).
-        distill_weights: weights of the terms ``contrastive``, ``logits`` (open_clip's
-            ``DistillClipLoss``) and ``features`` (CLIP-KD feature distillation); default 1, 1, 0.
-        distill_feature_loss: ``cosine`` or ``mse``, the feature-distillation distance.
         image_tower_init: LiT from an MAE: a ViT checkpoint (mmssl MAE, a timm export of one, ...)
-            that fills a timm image tower (``mmssl.models.lit``); pair with ``lock_image``.
+            that fills a timm image tower (``mmssl.models.lit``); pair with ``lock.image``.
         image_mean: per-channel normalisation mean (linked to the data module); ``None``: open_clip's
             (OpenAI's). A tower pretrained elsewhere keeps its own: an mmssl MAE's is ImageNet's.
         image_std: per-channel normalisation std, likewise.
+        flip: FLIP's patch masking and unmasked tuning (:class:`~mmssl.models.flip.Flip`).
+        lock: tower locking, LiT (:class:`~mmssl.models.locking.LockOptions`).
+        distill: distillation from a frozen teacher, online or stored embeddings (docs/distill.md,
+            :class:`~mmssl.models.distill.Distillation`).
         lora: LoRA adapters ``{r, alpha, dropout, target_modules, towers, trainable}`` on the
             towers of the ``pretrained`` model (``mmssl.models.lora``); ``None``: none.
     """
+
+    # Keys of configs and checkpoints written before the parts became config groups (mmssl.renames).
+    renamed_args = {**FLIP_RENAMES, **LOCK_RENAMES, **DISTILL_RENAMES}
 
     def __init__(
         self,
@@ -143,80 +126,54 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         loss: Literal["clip", "siglip"] = "clip",
         init_logit_scale: Optional[float] = None,
         init_logit_bias: Optional[float] = None,
-        image_mask_ratio: Optional[float] = None,
-        unmasked_tune_steps: int = 0,
-        unmasked_tune_lr_ratio: float = 0.01,
-        unmasked_tune_warmup_steps: int = 0,
-        lock_image: bool = False,
-        lock_image_unlocked_groups: int = 0,
+        logit_scale_max: float = 100.0,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         warmup_steps: int = 2000,
         min_lr_ratio: float = 0.0,
-        logit_scale_max: float = 100.0,
-        trim_text_padding: Optional[bool] = None,
-        contrastive_chunk_size: Optional[int] = None,
         no_weight_decay: Optional[list[str]] = None,
         tokenizer: Optional[str] = None,
+        trim_text_padding: Optional[bool] = None,
+        contrastive_chunk_size: Optional[int] = None,
         grad_checkpointing: bool = False,
         compile: Union[bool, dict[str, Any]] = False,
-        lock_text: bool = False,
-        lock_text_unlocked_layers: int = 0,
-        lock_text_freeze_layer_norm: bool = True,
-        lock_image_freeze_bn_stats: bool = False,
-        teacher: Optional[str] = None,
-        teacher_model: Optional[str] = None,
-        teacher_tokenizer: Optional[str] = None,
-        teacher_embeddings: Optional[str] = None,
-        teacher_embed_dim: Optional[int] = None,
-        distill_weights: Optional[dict[str, float]] = None,
-        distill_feature_loss: str = "cosine",
         image_tower_init: Optional[str] = None,
         image_mean: Optional[tuple[float, float, float]] = None,
         image_std: Optional[tuple[float, float, float]] = None,
+        flip: Flip = Flip(),
+        lock: LockOptions = LockOptions(),
+        distill: Distillation = Distillation(),
         lora: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
+        flip = as_group(Flip, flip, "model.init_args.flip")
+        lock = as_group(LockOptions, lock, "model.init_args.lock")
+        distill = as_group(Distillation, distill, "model.init_args.distill")
         self.save_hyperparameters(ignore=["optimizer"])
+        self.save_hyperparameters(plain_groups(self.hparams))  # groups as dicts: a checkpoint holds data only
         if loss not in LOSS_INIT:
             raise ValueError(f"model.loss: {loss!r} is not one of {sorted(LOSS_INIT)}")
         if pretrained is not None and not checkpoint_exists(pretrained):
             raise FileNotFoundError(f"model.pretrained: no checkpoint file at {pretrained!r}")
         check_warmup("model.warmup_steps", warmup_steps)
-        if unmasked_tune_steps < 0 or unmasked_tune_warmup_steps < 0 or unmasked_tune_lr_ratio < 0:
-            raise ValueError(
-                "model.unmasked_tune_steps, unmasked_tune_warmup_steps and unmasked_tune_lr_ratio must be >= 0, "
-                f"got {unmasked_tune_steps}, {unmasked_tune_warmup_steps}, {unmasked_tune_lr_ratio}")
+        if contrastive_chunk_size is not None and contrastive_chunk_size < 1:
+            raise ValueError(f"model.contrastive_chunk_size must be >= 1 (or null), got {contrastive_chunk_size}")
         name = resolve_model_name(model_name)
-        init = self._init_kwargs(loss, init_logit_scale, init_logit_bias)
-        norm = {k: tuple(v) for k, v in (("mean", image_mean), ("std", image_std)) if v is not None}
-        self.model = create_model(name, pretrained=pretrained, output_dict=True, **init,
-                                  **({"force_preprocess_cfg": norm} if norm else {}))
-        bias = init.get("init_logit_bias")
-        if pretrained is not None and bias is not None and not checkpoint_has(pretrained, "logit_bias"):
-            # open_clip fills a missing bias with 0 (its issue 712); SigLiT from a CLIP file wants b.
-            with torch.no_grad():
-                self.model.logit_bias.fill_(bias)
+        self.model = self._towers(name, pretrained, loss, init_logit_scale, init_logit_bias, image_mean, image_std)
         if image_tower_init:
             init_image_tower(self.model, image_tower_init)
-        lock_towers(self.model, LockOptions(lock_image, lock_image_unlocked_groups, lock_image_freeze_bn_stats,
-                                            lock_text, lock_text_unlocked_layers, lock_text_freeze_layer_norm))
+        lock_towers(self.model, lock)
         enable_lora(self, lora, clip_towers(self.model),
                     {"pretrained": pretrained, "image_tower_init": image_tower_init},
                     "pretrained", CLIP_TRAINABLE)
-        if image_mask_ratio is None:
+        self.flip_options = flip
+        if flip.mask_ratio is None:
             vision_cfg = open_clip.get_model_config(name)["vision_cfg"]
-            image_mask_ratio = float(vision_cfg.get("patch_dropout", 0.0))
-        self.flip = install_flip_masking(self.model.visual, image_mask_ratio)
-        self.image_mask_ratio = image_mask_ratio
+            flip = dataclasses.replace(flip, mask_ratio=float(vision_cfg.get("patch_dropout", 0.0)))
+        self.flip = install_flip_masking(self.model.visual, flip.mask_ratio)
+        self.image_mask_ratio = flip.mask_ratio
         apply_memory_options(self.model, grad_checkpointing, compile)  # after FLIP patched the image tower
-        inert = text_padding_is_inert(self.model)
-        if trim_text_padding and not inert:
-            raise ValueError(
-                f"model.trim_text_padding: the text tower of {model_name!r} is not causal with end-of-text "
-                "pooling, so trimming its padding would change its output; leave it unset or false"
-            )
         # Read by the data module (linked by the CLI): it trims each batch before the transfer.
-        self.trim_text_padding: bool = inert if trim_text_padding is None else trim_text_padding
+        self.trim_text_padding: bool = self._trimming(model_name, trim_text_padding)
         self._tokenizer: Optional[Callable] = None
         self._model_config_name, self._tokenizer_dir = name, tokenizer
         size = self.model.visual.image_size
@@ -228,30 +185,44 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         self.optimizer = optimizer
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.logit_scale_max = logit_scale_max
-        self.unmasked_tune_steps = unmasked_tune_steps
-        if contrastive_chunk_size is not None and contrastive_chunk_size < 1:
-            raise ValueError(f"model.contrastive_chunk_size must be >= 1 (or null), got {contrastive_chunk_size}")
         self.contrastive_chunk_size = contrastive_chunk_size
-        self.unmasked_tune_lr_ratio = unmasked_tune_lr_ratio
-        self.unmasked_tune_warmup_steps = unmasked_tune_warmup_steps
         # open_clip_train/main.py: exclude = p.ndim < 2 or "bn"/"ln"/"bias"/"logit_scale" in n.
         self.no_weight_decay = list(OPEN_CLIP_NO_DECAY if no_weight_decay is None else no_weight_decay)
-        self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
         install_scalar_hooks(self)  # checkpoints keep open_clip's 0-d scalars (1-D when sharded)
+        self.distiller = build_distiller(self.embed_dim, distill)
+        self.teacher_embeddings = distill.embeddings  # linked to the data module by the CLI
+        if self.distiller is not None:
+            self.hparams["distill"]["embed_dim"] = self.distiller.teacher_dim
+        self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
         unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
         if unmatched:
             rank_zero_warn(f"model.no_weight_decay: {unmatched} match no parameter of {model_name!r}")
-        self.distiller = build_distiller(self.embed_dim, teacher, teacher_model, teacher_tokenizer, teacher_embeddings,
-                                         teacher_embed_dim, distill_weights, distill_feature_loss)
-        self.teacher_embeddings = teacher_embeddings  # linked to the data module by the CLI
-        if self.distiller is not None:
-            self.hparams["teacher_embed_dim"] = self.distiller.teacher_dim
-            self._param_ndim = record_shapes(self)  # with the projection
-        self._val_features: list[tuple[Tensor, Tensor]] = []
-        self.val_loss = MeanMetric()  # sum and count of the validation loss, reduced over ranks
-        # Held-out retrieval recall as hits and queries summed over ranks (val/i2t_R@1, ...).
-        self.val_retrieval = MetricCollection(
-            {f"{d}_R@{k}": MeanMetric() for d in ("i2t", "t2i") for k in RECALL_AT}, prefix="val/")
+        self.validation = RetrievalValidation(self.embed_dim)
+
+    @staticmethod
+    def _towers(name: str, pretrained: Optional[str], loss: str, init_logit_scale: Optional[float],
+                init_logit_bias: Optional[float], image_mean: Optional[tuple], image_std: Optional[tuple]):
+        """open_clip's model of config ``name``, from ``pretrained`` or random, with the loss's scalars."""
+        init = CLIP._init_kwargs(loss, init_logit_scale, init_logit_bias)
+        norm = {k: tuple(v) for k, v in (("mean", image_mean), ("std", image_std)) if v is not None}
+        model = create_model(name, pretrained=pretrained, output_dict=True, **init,
+                             **({"force_preprocess_cfg": norm} if norm else {}))
+        bias = init.get("init_logit_bias")
+        if pretrained is not None and bias is not None and not checkpoint_has(pretrained, "logit_bias"):
+            # open_clip fills a missing bias with 0 (its issue 712); SigLiT from a CLIP file wants b.
+            with torch.no_grad():
+                model.logit_bias.fill_(bias)
+        return model
+
+    def _trimming(self, model_name: str, requested: Optional[bool]) -> bool:
+        """Whether the text tower runs on trimmed padding (see ``trim_text_padding``)."""
+        inert = text_padding_is_inert(self.model)
+        if requested and not inert:
+            raise ValueError(
+                f"model.trim_text_padding: the text tower of {model_name!r} is not causal with end-of-text "
+                "pooling, so trimming its padding would change its output; leave it unset or false"
+            )
+        return inert if requested is None else requested
 
     @property
     def tokenizer(self) -> Callable:
@@ -391,11 +362,10 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         seed_per_rank(self.global_rank, self.trainer.world_size)  # each rank draws its own FLIP masks and dropout
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # FLIP's unmasked tuning: whole images for the final ``unmasked_tune_steps`` steps.
-        if self.unmasked_tune_steps:
+        # FLIP's unmasked tuning: whole images for the final ``flip.unmasked_tune_steps`` steps.
+        if self.flip_options.unmasked_tune_steps:
             total = int(self.trainer.estimated_stepping_batches)
-            tuning = self.trainer.global_step >= total - self.unmasked_tune_steps
-            self.flip.ratio = 0.0 if tuning else self.image_mask_ratio
+            self.flip.ratio = self.flip_options.ratio_at(self.trainer.global_step, total, self.image_mask_ratio)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         out = self(batch["image"], batch["text"])
@@ -429,16 +399,14 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
     def configure_optimizers(self) -> dict:
         optimizer = self.optimizer(param_groups(self, self.no_weight_decay, self._param_ndim))
         total = self.trainer.estimated_stepping_batches
-        tuning = None
-        if self.unmasked_tune_steps:
-            tuning = Phase(self.unmasked_tune_steps, self.unmasked_tune_warmup_steps, self.unmasked_tune_lr_ratio)
-        scheduler = warmup_cosine(optimizer, self.warmup_steps, total, self.min_lr_ratio, second_phase=tuning)
+        scheduler = warmup_cosine(optimizer, self.warmup_steps, total, self.min_lr_ratio,
+                                  second_phase=self.flip_options.tuning_phase())
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # Validation: loss per rank, retrieval over the whole held-out set ------------------------------
 
     def on_validation_epoch_start(self) -> None:
-        self._val_features = []
+        self.validation.reset()
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self(batch["image"], batch["text"])  # eval mode: unmasked
@@ -449,19 +417,7 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
             loss = siglip_loss(image, text, scale, out["logit_bias"])
         else:
             loss = clip_loss(image, text, scale)
-        self.val_loss.update(loss.detach(), weight=image.shape[0])
-        self._val_features.append((image.float(), text.float()))
+        self.validation.update(image, text, loss)
 
     def on_validation_epoch_end(self) -> None:
-        # Sum-and-count metrics, reduced over ranks inside ``compute`` on every rank, including a
-        # rank whose share of the validation shards was empty (``sync_dist`` logging runs only on
-        # ranks that logged in a step, and hangs the others). Logged as metric objects, so
-        # Lightning computes and resets them at the end of the epoch on every rank.
-        self.log("val/loss", self.val_loss)
-        empty = [(self.model.logit_scale.new_zeros(0, self.embed_dim),) * 2]
-        pairs, self._val_features = self._val_features or empty, []
-        image = F.normalize(torch.cat([p[0] for p in pairs]), dim=-1)  # (n_r, D)
-        text = F.normalize(torch.cat([p[1] for p in pairs]), dim=-1)
-        for key, hits in distributed_retrieval_hits(image, text).items():
-            self.val_retrieval[key].update(hits)
-        self.log_dict(self.val_retrieval)
+        self.validation.log_to(self)  # val/loss, val/i2t_R@k, val/t2i_R@k over every rank's features

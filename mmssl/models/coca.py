@@ -24,14 +24,12 @@ Exact under DDP, like :class:`mmssl.models.clip.CLIP`:
 
 from __future__ import annotations
 
-import inspect
 import os
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import open_clip
 import torch
 import torch.distributed as dist
-from lightning.pytorch.cli import OptimizerCallable
 from open_clip.loss import ClipLoss, CoCaLoss
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
@@ -42,7 +40,9 @@ from mmssl.log_cadence import logging_step
 from mmssl.losses import clip_loss
 from mmssl.models import generation
 from mmssl.models.clip import CLIP
+from mmssl.models.distill import Distillation
 from mmssl.models.open_clip_config import build_tokenizer, resolve_model_name
+from mmssl.models.parts import as_group
 from mmssl.upstream import attached_trainer
 
 
@@ -66,6 +66,23 @@ class GatheredCoCaLoss(CoCaLoss):
         if not self.clip_loss_weight:
             return image_features.new_zeros(())
         return self.clip_loss_weight * ClipLoss.forward(self, image_features, text_features, logit_scale)
+
+
+def check_clip_args(clip_args: dict[str, Any]) -> None:
+    """Refuse the CLIP options a CoCa cannot honour, naming the key (they would be ignored silently)."""
+    distill = as_group(Distillation, clip_args.get("distill"), "model.init_args.distill")
+    refused = {
+        "loss": clip_args.get("loss", "clip") != "clip",  # CoCaLoss is softmax InfoNCE only
+        "init_logit_bias": clip_args.get("init_logit_bias") is not None,  # SigLIP's
+        "trim_text_padding": bool(clip_args.get("trim_text_padding")),  # the class token sits after the caption
+        "distill": any(v is not None for v in (distill.teacher, distill.embeddings, distill.embed_dim)),
+        "lora": clip_args.get("lora") is not None,
+    }
+    named = [k for k, bad in refused.items() if bad]
+    if named:
+        raise ValueError(f"model.init_args.{named[0]}: CoCa does not take it (of CLIP's options, CoCa trains the "
+                         "softmax contrastive loss without distillation or LoRA and runs its text tower on the "
+                         "whole context); leave it unset")
 
 
 def check_text_tower_local(name: str) -> None:
@@ -94,44 +111,18 @@ class CoCa(CLIP):
         caption_loss_weight: weight of the captioning loss (CoCa sec. 4.1: lambda_Cap = 2;
             ``open_clip_train --coca-caption-loss-weight`` default 2.0).
         clip_loss_weight: weight of the contrastive loss (lambda_Con = 1; ``--coca-contrastive-loss-weight`` 1.0).
-        pretrained: local open_clip CoCa checkpoint file to start from, ``None`` for random init.
-        tokenizer: local folder of a Hugging Face tokenizer for configs naming one
-            (``text_cfg.hf_tokenizer_name``); built here, before the model, so a missing one stops the run first.
-
-    The other arguments are :class:`mmssl.models.clip.CLIP`'s (the contrastive loss is always
-    CLIP's softmax one: ``CoCaLoss`` has no sigmoid variant). ``image_mask_ratio`` (FLIP) masks the
-    patches both the contrastive query and the decoder's queries pool; ``contrastive_chunk_size``
-    (GradCache) embeds and decodes chunk by chunk, the caption loss summed per chunk (it is
-    per-token, so chunking leaves it exact).
+        **clip_args: :class:`mmssl.models.clip.CLIP`'s arguments and parts, as CLIP takes them
+            (``pretrained``: a local open_clip CoCa file; ``tokenizer``: the folder of a Hugging Face
+            tokenizer a config names, built before the model so a missing one is the first error).
+            The contrastive loss is always CLIP's softmax one (``CoCaLoss`` has no sigmoid variant);
+            ``flip`` masks the patches both the contrastive query and the decoder's queries pool;
+            ``contrastive_chunk_size`` (GradCache) embeds and decodes chunk by chunk, the caption
+            loss summed per chunk (it is per-token, so chunking leaves it exact). Distillation and
+            LoRA are CLIP's only: refused here.
     """
 
-    def __init__(
-        self,
-        model_name: str = "coca_ViT-B-32",
-        caption_loss_weight: float = 2.0,
-        clip_loss_weight: float = 1.0,
-        pretrained: Optional[str] = None,
-        init_logit_scale: Optional[float] = None,
-        image_mask_ratio: Optional[float] = None,
-        unmasked_tune_steps: int = 0,
-        unmasked_tune_lr_ratio: float = 0.01,
-        unmasked_tune_warmup_steps: int = 0,
-        lock_image: bool = False,
-        lock_image_unlocked_groups: int = 0,
-        optimizer: OptimizerCallable = torch.optim.AdamW,
-        warmup_steps: int = 2000,
-        min_lr_ratio: float = 0.0,
-        logit_scale_max: float = 100.0,
-        contrastive_chunk_size: Optional[int] = None,
-        no_weight_decay: Optional[list[str]] = None,
-        tokenizer: Optional[str] = None,
-        grad_checkpointing: bool = False,
-        compile: Union[bool, dict[str, Any]] = False,
-        lock_text: bool = False,
-        lock_text_unlocked_layers: int = 0,
-        lock_text_freeze_layer_norm: bool = True,
-        lock_image_freeze_bn_stats: bool = False,
-    ) -> None:
+    def __init__(self, model_name: str = "coca_ViT-B-32", caption_loss_weight: float = 2.0,
+                 clip_loss_weight: float = 1.0, **clip_args: Any) -> None:
         name = resolve_model_name(model_name)
         if "multimodal_cfg" not in open_clip.get_model_config(name):
             raise ValueError(f"model.model_name: {model_name!r} is no CoCa config (it has no multimodal_cfg); "
@@ -139,33 +130,18 @@ class CoCa(CLIP):
         if caption_loss_weight < 0 or clip_loss_weight < 0:
             raise ValueError(f"model.caption_loss_weight and clip_loss_weight must be >= 0, "
                              f"got {caption_loss_weight}, {clip_loss_weight}")
-        built_tokenizer = build_tokenizer(name, tokenizer)  # before the model: a missing one is the first error
+        check_clip_args(clip_args)
+        built_tokenizer = build_tokenizer(name, clip_args.get("tokenizer"))  # before the model: the first error
         check_text_tower_local(name)
-        super().__init__(
-            model_name=model_name, pretrained=pretrained, loss="clip", init_logit_scale=init_logit_scale,
-            image_mask_ratio=image_mask_ratio, unmasked_tune_steps=unmasked_tune_steps,
-            unmasked_tune_lr_ratio=unmasked_tune_lr_ratio, unmasked_tune_warmup_steps=unmasked_tune_warmup_steps,
-            lock_image=lock_image, lock_image_unlocked_groups=lock_image_unlocked_groups, optimizer=optimizer,
-            warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, logit_scale_max=logit_scale_max,
-            trim_text_padding=False, contrastive_chunk_size=contrastive_chunk_size,
-            no_weight_decay=no_weight_decay, tokenizer=tokenizer, grad_checkpointing=grad_checkpointing,
-            compile=compile, lock_text=lock_text, lock_text_unlocked_layers=lock_text_unlocked_layers,
-            lock_text_freeze_layer_norm=lock_text_freeze_layer_norm,
-            lock_image_freeze_bn_stats=lock_image_freeze_bn_stats,
-        )
-        # CLIP's save_hyperparameters recorded its own arguments too (Lightning merges the two
-        # calls); a checkpoint holds CoCa's only, so that it rebuilds as a CoCa.
-        own = set(inspect.signature(CoCa.__init__).parameters) - {"self", "optimizer"}
-        for key in [k for k in self.hparams if k not in own]:
-            del self.hparams[key]
-        self.save_hyperparameters(ignore=["optimizer"])
-        if pretrained is None:
+        super().__init__(model_name=model_name, **clip_args)
+        if clip_args.get("pretrained") is None:
             # open_clip 3.3's MultimodalTransformer leaves its text_projection as torch.empty memory
             # (zeros when fresh pages back it, else garbage: caption losses of 1e12 in a test); its
             # init_parameters, which would set it, is never called and fails if called (it reads a
             # `transformer` attribute the class lacks). Its intended value: normal, std width ** -0.5.
             decoder = self.model.text_decoder
             torch.nn.init.normal_(decoder.text_projection, std=decoder.width ** -0.5)
+        self.trim_text_padding = False  # the decoder reads every position, the class token sits after the caption
         self._tokenizer = built_tokenizer
         self.pad_id: int = int(self.model.pad_id)
         self.loss = GatheredCoCaLoss(caption_loss_weight=caption_loss_weight, clip_loss_weight=clip_loss_weight,
@@ -247,13 +223,12 @@ class CoCa(CLIP):
         caption_sum, count = self._caption_sum(out["logits"], out["labels"])
         caption = caption_sum / count.clamp(min=1)
         loss = self.loss.clip_loss_weight * contrastive + self.loss.caption_loss_weight * caption
-        self.val_loss.update(loss.detach(), weight=image.shape[0])
+        self.validation.update(image, text, loss)
         self.val_contrastive.update(contrastive.detach(), weight=image.shape[0])
         self.val_caption.update(caption.detach(), weight=count)
         mask = out["labels"] != self.pad_id
         hits = (out["logits"].argmax(dim=-1) == out["labels"])[mask].float().sum()
         self.val_token_top1.update(hits / count.clamp(min=1), weight=count)
-        self._val_features.append((image.float(), text.float()))
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()  # val/loss, val/i2t_R@k, val/t2i_R@k

@@ -19,6 +19,7 @@ is the loss of one process on the concatenated batch (tested on 2 gloo processes
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -40,11 +41,11 @@ _OPEN_CLIP_KD = DistillClipLoss()
 
 
 def check_weights(weights: Optional[dict[str, float]]) -> dict[str, float]:
-    """``distill_weights`` completed with the defaults, checked (names known, values >= 0)."""
+    """``distill.weights`` completed with the defaults, checked (names known, values >= 0)."""
     merged = {**DEFAULT_WEIGHTS, **(weights or {})}
     unknown = sorted(set(merged) - set(TERMS))
     if unknown or any(not isinstance(v, (int, float)) or v < 0 for v in merged.values()):
-        raise ValueError(f"model.init_args.distill_weights: terms {list(TERMS)} with weights >= 0, got {weights}")
+        raise ValueError(f"model.init_args.distill.weights: terms {list(TERMS)} with weights >= 0, got {weights}")
     return {k: float(v) for k, v in merged.items()}
 
 
@@ -82,7 +83,7 @@ def feature_distill_loss(student: Tensor, teacher: Tensor, kind: str = "cosine")
         return (1 - F.cosine_similarity(student, teacher, dim=-1)).mean()
     if kind == "mse":
         return (student - teacher).pow(2).sum(dim=-1).mean()
-    raise ValueError(f"model.init_args.distill_feature_loss: 'cosine' or 'mse', got {kind!r}")
+    raise ValueError(f"model.init_args.distill.feature_loss: 'cosine' or 'mse', got {kind!r}")
 
 
 def adapt_images(images: Tensor, mean: tuple, std: tuple, size: int, teacher_mean: tuple, teacher_std: tuple) -> Tensor:
@@ -191,7 +192,7 @@ class Distiller(nn.Module):
             return batch["teacher_image_features"].to(cast), batch["teacher_text_features"].to(cast), scale
         teacher = self.teacher
         if teacher is None:
-            raise RuntimeError("distillation needs model.init_args.teacher, or teacher_embeddings in the batch")
+            raise RuntimeError("distillation needs model.init_args.distill.teacher, or distill.embeddings in the batch")
         with torch.no_grad():
             teacher.follow(images)
             adapted = adapt_images(images, mean, std, teacher.image_size, teacher.image_mean, teacher.image_std)
@@ -201,31 +202,63 @@ class Distiller(nn.Module):
             return t_image, t_text, teacher.logit_scale
 
 
-def build_distiller(student_dim: int, teacher: Optional[str], teacher_model: Optional[str],
-                    teacher_tokenizer: Optional[str], teacher_embeddings: Optional[str],
-                    teacher_embed_dim: Optional[int], weights: Optional[dict[str, float]],
-                    feature_loss: str) -> Optional[Distiller]:
-    """The student's :class:`Distiller` from its arguments, or ``None`` without distillation.
+@dataclass(frozen=True)
+class Distillation:
+    """``model.init_args.distill`` (docs/distill.md): what a CLIP student learns from a frozen teacher.
+
+    Attributes:
+        teacher: a frozen CLIP teacher's file or folder (mmssl checkpoint, open_clip state dict with
+            ``teacher_model``, ``open_clip_hf`` or transformers folder: :mod:`mmssl.models.teacher`),
+            run online; its path and SHA-256 are saved, never its weights.
+        teacher_model: the open_clip model name or JSON config of a ``teacher`` state-dict file.
+        teacher_tokenizer: local folder of the teacher's Hugging Face tokenizer, if its config names one.
+        embeddings: stored teacher embeddings instead (``tools/teacher_embeddings.py``'s folder).
+        embed_dim: the teacher's width, recorded from it (a distilled checkpoint's projection).
+        weights: weights of the terms ``contrastive``, ``logits`` (open_clip's ``DistillClipLoss``)
+            and ``features`` (CLIP-KD feature distillation); default 1, 1, 0.
+        feature_loss: ``cosine`` or ``mse``, the feature-distillation distance.
+    """
+
+    teacher: Optional[str] = None
+    teacher_model: Optional[str] = None
+    teacher_tokenizer: Optional[str] = None
+    embeddings: Optional[str] = None
+    embed_dim: Optional[int] = None
+    weights: Optional[dict[str, float]] = None
+    feature_loss: str = "cosine"
+
+
+# The flat keys of configs and checkpoints written before distillation became a config group.
+DISTILL_RENAMES = {"teacher": "distill.teacher", "teacher_model": "distill.teacher_model",
+                   "teacher_tokenizer": "distill.teacher_tokenizer", "teacher_embeddings": "distill.embeddings",
+                   "teacher_embed_dim": "distill.embed_dim", "distill_weights": "distill.weights",
+                   "distill_feature_loss": "distill.feature_loss"}
+
+
+def build_distiller(student_dim: int, options: Distillation) -> Optional[Distiller]:
+    """The student's :class:`Distiller` from its ``distill`` options, or ``None`` without distillation.
 
     The teacher (or the stored embeddings' manifest) is read here, at start-up: a missing,
-    unreadable or code-carrying file fails before any training. ``teacher_embed_dim`` alone (a
-    distilled student rebuilt from its checkpoint, teacher not needed) keeps the projection.
+    unreadable or code-carrying file fails before any training. ``embed_dim`` alone (a distilled
+    student rebuilt from its checkpoint, teacher not needed) keeps the projection.
     """
-    if teacher is not None and teacher_embeddings is not None:
-        raise ValueError("model.init_args.teacher and teacher_embeddings: give one (online, or stored embeddings)")
-    weights = check_weights(weights)
+    teacher, embeddings, embed_dim = options.teacher, options.embeddings, options.embed_dim
+    if teacher is not None and embeddings is not None:
+        raise ValueError("model.init_args.distill.teacher and distill.embeddings: give one "
+                         "(online, or stored embeddings)")
+    weights = check_weights(options.weights)
     online = None
     if teacher is not None:
         # Building the teacher draws random initial weights (then replaced by its own): outside the
         # run's random stream, so a student starts alike with an online teacher or stored embeddings.
         with torch.random.fork_rng(devices=[]):
-            online = load_teacher(teacher, teacher_model, teacher_tokenizer)
+            online = load_teacher(teacher, options.teacher_model, options.teacher_tokenizer)
     stored = None
-    if teacher_embeddings is not None:
-        stored = {**read_manifest(teacher_embeddings), "folder": teacher_embeddings}
-    dim = online.embed_dim if online is not None else stored["embed_dim"] if stored is not None else teacher_embed_dim
+    if embeddings is not None:
+        stored = {**read_manifest(embeddings), "folder": embeddings}
+    dim = online.embed_dim if online is not None else stored["embed_dim"] if stored is not None else embed_dim
     if dim is None:
         return None
-    if teacher_embed_dim is not None and int(teacher_embed_dim) != int(dim):
-        raise ValueError(f"model.init_args.teacher_embed_dim={teacher_embed_dim}, but the teacher's width is {dim}")
-    return Distiller(student_dim, int(dim), weights, feature_loss, online, stored)
+    if embed_dim is not None and int(embed_dim) != int(dim):
+        raise ValueError(f"model.init_args.distill.embed_dim={embed_dim}, but the teacher's width is {dim}")
+    return Distiller(student_dim, int(dim), weights, options.feature_loss, online, stored)

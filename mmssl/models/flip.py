@@ -10,10 +10,60 @@ training mode: evaluation and zero-shot see every patch (FLIP sec. 3, "unmasked 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 from torch import Tensor, nn
 
 from mmssl.models.masking import gather_tokens, random_masking
+from mmssl.optim import Phase
+
+
+@dataclass(frozen=True)
+class Flip:
+    """``model.init_args.flip``: FLIP's patch masking and its unmasked tuning (Li et al. 2023).
+
+    Attributes:
+        mask_ratio: fraction of image patches dropped in training (0.5 in the paper); ``None``
+            keeps the model config's ``patch_dropout`` (0 when unset).
+        unmasked_tune_steps: FLIP sec. 3 "unmasked tuning": the last this many optimizer steps of
+            the run (``trainer.max_steps`` includes them) train on whole images, closing the
+            masked/unmasked distribution gap. They are a phase of their own, as in the FLIP README:
+            the masked schedule's cosine ends where they start, then a new warm-up and cosine to 0
+            at ``unmasked_tune_lr_ratio`` x the masked phase's peak LR.
+        unmasked_tune_lr_ratio: peak LR of the tuning phase over the masked phase's (FLIP README:
+            base lr 4e-8 vs 4e-6 per 256 samples, so 0.01 at any batch size).
+        unmasked_tune_warmup_steps: linear warm-up steps of the tuning phase.
+    """
+
+    mask_ratio: Optional[float] = None
+    unmasked_tune_steps: int = 0
+    unmasked_tune_lr_ratio: float = 0.01
+    unmasked_tune_warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.unmasked_tune_steps < 0 or self.unmasked_tune_warmup_steps < 0 or self.unmasked_tune_lr_ratio < 0:
+            raise ValueError(
+                "model.flip.unmasked_tune_steps, unmasked_tune_warmup_steps and unmasked_tune_lr_ratio must be "
+                f">= 0, got {self.unmasked_tune_steps}, {self.unmasked_tune_warmup_steps}, "
+                f"{self.unmasked_tune_lr_ratio}")
+
+    def tuning_phase(self) -> Optional[Phase]:
+        """The unmasked-tuning phase of the LR schedule (:func:`mmssl.optim.warmup_cosine`), if any."""
+        if not self.unmasked_tune_steps:
+            return None
+        return Phase(self.unmasked_tune_steps, self.unmasked_tune_warmup_steps, self.unmasked_tune_lr_ratio)
+
+    def ratio_at(self, step: int, total: int, ratio: float) -> float:
+        """The mask ratio at optimizer step ``step`` of ``total``: 0 in the final unmasked tuning."""
+        return 0.0 if self.unmasked_tune_steps and step >= total - self.unmasked_tune_steps else ratio
+
+
+# The flat keys of configs and checkpoints written before FLIP became a config group.
+FLIP_RENAMES = {"image_mask_ratio": "flip.mask_ratio", "unmasked_tune_steps": "flip.unmasked_tune_steps",
+                "unmasked_tune_lr_ratio": "flip.unmasked_tune_lr_ratio",
+                "unmasked_tune_warmup_steps": "flip.unmasked_tune_warmup_steps"}
 
 
 class FlipMasking(nn.Module):
@@ -27,7 +77,7 @@ class FlipMasking(nn.Module):
     def __init__(self, ratio: float = 0.0, num_prefix_tokens: int = 1) -> None:
         super().__init__()
         if not 0.0 <= ratio < 1.0:
-            raise ValueError(f"model.image_mask_ratio must be in [0, 1), got {ratio}")
+            raise ValueError(f"model.flip.mask_ratio must be in [0, 1), got {ratio}")
         self.ratio = ratio
         self.num_prefix_tokens = num_prefix_tokens
 
@@ -66,7 +116,7 @@ def install_flip_masking(visual: nn.Module, ratio: float) -> FlipMasking:
         return masking
     if ratio > 0:
         raise ValueError(
-            f"model.image_mask_ratio={ratio}: the image tower {type(visual).__name__} has no "
+            f"model.flip.mask_ratio={ratio}: the image tower {type(visual).__name__} has no "
             "patch-dropout hook (FLIP needs a ViT: open_clip VisionTransformer or a timm ViT)"
         )
     return FlipMasking(0.0)

@@ -18,7 +18,20 @@ from mmssl.upstream import is_batch_norm
 
 @dataclass(frozen=True)
 class LockOptions:
-    """The ``model.lock_*`` keys (see :class:`mmssl.models.clip.CLIP`)."""
+    """``model.init_args.lock``: which towers train (LiT, Zhai et al. 2022; open_clip's ``--lock-*``).
+
+    Attributes:
+        image: freeze the image tower, train the text tower only (LiT).
+        image_unlocked_groups: with ``image``, leave the last n layer groups trainable (open_clip's
+            groups: stem, each block, last block + final norm, projection; a timm tower's
+            ``group_matcher``). Refused for a tower locked whole (ResNet) or past its count.
+        image_freeze_bn_stats: with ``image``, freeze the batch-norm statistics of the locked
+            groups (towers with batch norm only: ResNets, timm CNNs).
+        text: freeze the text tower (open_clip ``lock_text_tower``; LiT's other half).
+        text_unlocked_layers: with ``text``, leave the last n layers trainable.
+        text_freeze_layer_norm: with ``text``, keep LayerNorms frozen too; ``false`` only for HF
+            text towers (open_clip's own locks them with the other weights).
+    """
 
     image: bool = False
     image_unlocked_groups: int = 0
@@ -26,6 +39,13 @@ class LockOptions:
     text: bool = False
     text_unlocked_layers: int = 0
     text_freeze_layer_norm: bool = True
+
+
+# The flat keys of configs and checkpoints written before locking became a config group.
+LOCK_RENAMES = {"lock_image": "lock.image", "lock_image_unlocked_groups": "lock.image_unlocked_groups",
+                "lock_image_freeze_bn_stats": "lock.image_freeze_bn_stats", "lock_text": "lock.text",
+                "lock_text_unlocked_layers": "lock.text_unlocked_layers",
+                "lock_text_freeze_layer_norm": "lock.text_freeze_layer_norm"}
 
 
 def image_groups(visual: nn.Module) -> int:
@@ -64,33 +84,33 @@ def check_lock_options(model: nn.Module, options: LockOptions) -> None:
     visual, text = model.visual, getattr(model, "text", model)
     image_name = type(getattr(visual, "trunk", visual)).__name__
     if not options.image and (options.image_unlocked_groups or options.image_freeze_bn_stats):
-        raise ValueError("model.lock_image_unlocked_groups / lock_image_freeze_bn_stats need model.lock_image: true")
+        raise ValueError("model.lock.image_unlocked_groups / lock.image_freeze_bn_stats need model.lock.image: true")
     if not options.text and (options.text_unlocked_layers or not options.text_freeze_layer_norm):
-        raise ValueError("model.lock_text_unlocked_layers / lock_text_freeze_layer_norm need model.lock_text: true")
+        raise ValueError("model.lock.text_unlocked_layers / lock.text_freeze_layer_norm need model.lock.text: true")
     if options.image_unlocked_groups < 0 or options.text_unlocked_layers < 0:
-        raise ValueError("model.lock_image_unlocked_groups and lock_text_unlocked_layers must be >= 0")
+        raise ValueError("model.lock.image_unlocked_groups and lock.text_unlocked_layers must be >= 0")
     if options.image_unlocked_groups:
         groups = image_groups(visual)
         if not groups:
-            raise ValueError(f"model.lock_image_unlocked_groups: the image tower {image_name} has no layer groups "
+            raise ValueError(f"model.lock.image_unlocked_groups: the image tower {image_name} has no layer groups "
                              "(open_clip locks it whole)")
         if options.image_unlocked_groups > groups:
-            raise ValueError(f"model.lock_image_unlocked_groups: {options.image_unlocked_groups} > the {groups} "
+            raise ValueError(f"model.lock.image_unlocked_groups: {options.image_unlocked_groups} > the {groups} "
                              f"groups of the image tower {image_name}")
     if options.image_freeze_bn_stats and not _has_batch_norm(visual):
-        raise ValueError(f"model.lock_image_freeze_bn_stats: the image tower {image_name} has no batch norm "
+        raise ValueError(f"model.lock.image_freeze_bn_stats: the image tower {image_name} has no batch norm "
                          "(its LayerNorms have no running statistics)")
     if options.text_unlocked_layers:
         groups = text_groups(model)
         if not groups:
             raise ValueError(
-                f"model.lock_text_unlocked_layers: the text tower {type(text).__name__} has no layer groups"
+                f"model.lock.text_unlocked_layers: the text tower {type(text).__name__} has no layer groups"
             )
         if options.text_unlocked_layers > groups:
-            raise ValueError(f"model.lock_text_unlocked_layers: {options.text_unlocked_layers} > the {groups} "
+            raise ValueError(f"model.lock.text_unlocked_layers: {options.text_unlocked_layers} > the {groups} "
                              f"layers of the text tower {type(text).__name__}")
     if not options.text_freeze_layer_norm and type(text).__name__ != "HFTextEncoder":
-        raise ValueError(f"model.lock_text_freeze_layer_norm: false needs an HF text tower; in the text tower "
+        raise ValueError(f"model.lock.text_freeze_layer_norm: false needs an HF text tower; in the text tower "
                          f"{type(text).__name__} open_clip locks LayerNorms with the other weights")
 
 

@@ -53,7 +53,7 @@ def test_logit_scale_is_clamped_at_100_after_a_step(tiny_clip_json):
 
 
 def test_flip_masks_half_the_patches_in_training_only(tiny_clip_json):
-    model = CLIP(tiny_clip_json, image_mask_ratio=0.5)  # 32 px / patch 8: 16 patches + cls
+    model = CLIP(tiny_clip_json, flip={"mask_ratio": 0.5})  # 32 px / patch 8: 16 patches + cls
     blocks = model.model.visual.transformer.resblocks
     model.train()
     assert _tokens_per_image(model, blocks) == 1 + 8
@@ -65,7 +65,7 @@ def test_flip_masks_half_the_patches_in_training_only(tiny_clip_json):
 
 def test_flip_halves_the_image_tower_flops(tiny_clip_json):
     def image_tower_flops(ratio: float) -> int:
-        model = CLIP(FLOPS_JSON, image_mask_ratio=ratio).train()
+        model = CLIP(FLOPS_JSON, flip={"mask_ratio": ratio}).train()
         # FlopCounterMode has no formula for the fused CPU attention kernels: count with math SDPA.
         with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
             model.encode_image(_images(model))
@@ -77,7 +77,7 @@ def test_flip_halves_the_image_tower_flops(tiny_clip_json):
 
 
 def test_timm_image_tower_from_json_with_flip_masking():
-    model = CLIP(TIMM_JSON, image_mask_ratio=0.5)  # timm "test_vit": random init, no download
+    model = CLIP(TIMM_JSON, flip={"mask_ratio": 0.5})  # timm "test_vit": random init, no download
     trunk = model.model.visual.trunk
     assert trunk.patch_drop is model.flip
     patches = (model.image_size // 16) ** 2
@@ -91,7 +91,7 @@ def test_timm_image_tower_from_json_with_flip_masking():
 
 def test_every_parameter_gets_a_gradient(tiny_clip_json):
     for loss in ("clip", "siglip"):
-        model = CLIP(tiny_clip_json, loss=loss, image_mask_ratio=0.5)
+        model = CLIP(tiny_clip_json, loss=loss, flip={"mask_ratio": 0.5})
         out = model(_images(model, 4), model.tokenizer(["a", "b", "c", "d"]))
         model.contrastive_loss(out).backward()
         missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
@@ -118,7 +118,7 @@ def test_default_weight_decay_groups_follow_open_clip(tiny_clip_json):
 
 
 def test_lock_image_freezes_the_image_tower_only(tiny_clip_json):
-    model = CLIP(tiny_clip_json, lock_image=True)
+    model = CLIP(tiny_clip_json, lock={"image": True})
     assert not any(p.requires_grad for p in model.model.visual.parameters())
     assert all(p.requires_grad for p in model.model.transformer.parameters())
     grouped = {id(p) for g in param_groups(model, model.no_weight_decay, model._param_ndim) for p in g["params"]}
@@ -136,8 +136,8 @@ def test_retrieval_metrics_rank_the_matching_caption():
 def test_bad_inputs_name_the_key(tiny_clip_json, tmp_path):
     with pytest.raises(FileNotFoundError, match="model.pretrained"):
         CLIP(tiny_clip_json, pretrained=str(tmp_path / "missing.pt"))
-    with pytest.raises(ValueError, match="model.image_mask_ratio"):
-        CLIP(tiny_clip_json, image_mask_ratio=1.0)
+    with pytest.raises(ValueError, match="model.flip.mask_ratio"):
+        CLIP(tiny_clip_json, flip={"mask_ratio": 1.0})
 
 
 def test_trimmed_text_padding_gives_open_clips_embeddings_and_gradients(tiny_clip_json):

@@ -40,7 +40,7 @@ def _inputs(model: CLIP) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("loss", ["clip", "siglip"])
 def test_exported_checkpoint_loads_in_plain_open_clip_with_equal_embeddings(tmp_path, tiny_clip_json, loss):
-    model = CLIP(tiny_clip_json, loss=loss, image_mask_ratio=0.5).eval()
+    model = CLIP(tiny_clip_json, loss=loss, flip={"mask_ratio": 0.5}).eval()
     _trained_checkpoint(model, tmp_path / "last.ckpt")
     output = tmp_path / "clip.pt"
     _export_tool().main(["--ckpt", str(tmp_path / "last.ckpt"), "--format", "open_clip", "--output", str(output)])
@@ -81,7 +81,7 @@ def test_pretrained_file_starts_a_lit_run_with_the_exported_image_tower(tmp_path
     output = tmp_path / "clip.pt"
     _export_tool().main(["--ckpt", str(tmp_path / "last.ckpt"), "--format", "open_clip", "--output", str(output)])
 
-    lit = CLIP(tiny_clip_json, pretrained=str(output), lock_image=True).eval()
+    lit = CLIP(tiny_clip_json, pretrained=str(output), lock={"image": True}).eval()
     images, tokens = _inputs(source)
     with torch.no_grad():
         torch.testing.assert_close(lit.encode_image(images), source.encode_image(images))
@@ -94,6 +94,6 @@ def test_siglit_from_a_clip_file_starts_at_the_siglip_bias(tmp_path, tiny_clip_j
     torch.save({"state_dict": source.state_dict()}, tmp_path / "last.ckpt")
     _export_tool().main(["--ckpt", str(tmp_path / "last.ckpt"), "--format", "open_clip",
                          "--output", str(tmp_path / "clip.pt")])
-    siglit = CLIP(tiny_clip_json, loss="siglip", pretrained=str(tmp_path / "clip.pt"), lock_image=True)
+    siglit = CLIP(tiny_clip_json, loss="siglip", pretrained=str(tmp_path / "clip.pt"), lock={"image": True})
     assert siglit.model.logit_bias.item() == -10.0  # not open_clip's fill value 0
     assert siglit.model.logit_scale.item() == source.model.logit_scale.item()  # the file's

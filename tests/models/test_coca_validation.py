@@ -44,7 +44,7 @@ def test_validation_loss_is_the_weighted_sum_the_training_loss_is(tiny_coca_json
     assert right == len(CAPTIONS)
     assert tokens > 3 * 5  # padded captions of different lengths: token means differ from sample means
     want = sum(w * float(v) for w, v in zip(weights, losses)) / sum(weights)
-    assert model.val_loss.compute().item() == pytest.approx(want, rel=1e-5)
+    assert model.validation.loss.compute().item() == pytest.approx(want, rel=1e-5)
     want = sum(w * c for w, c in zip(weights, contrastives)) / sum(weights)
     assert model.val_contrastive.compute().item() == pytest.approx(want, rel=1e-5)
     assert model.val_caption.compute().item() == pytest.approx(ce_sum / tokens, rel=1e-5)

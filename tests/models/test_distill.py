@@ -112,7 +112,7 @@ def test_a_transformers_folder_teacher_embeds_as_the_module(tmp_path, teacher_fi
 
 
 def test_the_teacher_stays_frozen_and_out_of_the_students_checkpoint(tmp_path, teacher_file, student_json):
-    student = CLIP(student_json, teacher=str(teacher_file), distill_weights={"features": 1.0})
+    student = CLIP(student_json, distill={"teacher": str(teacher_file), "weights": {"features": 1.0}})
     student.train()
     teacher = student.distiller.teacher
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
@@ -129,7 +129,7 @@ def test_the_teacher_stays_frozen_and_out_of_the_students_checkpoint(tmp_path, t
     student.on_save_checkpoint(checkpoint)
     assert checkpoint["teacher"]["sha256"] == hashlib.sha256(teacher_file.read_bytes()).hexdigest()
     assert (
-        checkpoint["teacher"]["path"] == str(teacher_file) and checkpoint["hyper_parameters"]["teacher_embed_dim"] == 32
+        checkpoint["teacher"]["path"] == str(teacher_file) and checkpoint["hyper_parameters"]["distill"]["embed_dim"] == 32
     )
     # An evaluation or export rebuilds the student without its teacher, projection included.
     rebuilt = build_module("student.ckpt", checkpoint, checkpoint_kind("student.ckpt", checkpoint))
@@ -152,14 +152,14 @@ def test_bad_teacher_files_are_refused_at_start_up_naming_them(tmp_path, teacher
     for path, error in ((tmp_path / "missing.ckpt", FileNotFoundError), (truncated, ValueError),
                         (evil, UnsafeCheckpointError), (bare, ValueError)):
         with pytest.raises(error, match="model.init_args.teacher") as info:
-            CLIP(student_json, teacher=str(path))
+            CLIP(student_json, distill={"teacher": str(path)})
         assert str(path) in str(info.value)
     # A teacher whose config tokenises with a Hugging Face tokenizer that is not on disk.
     config = json.loads(Path(student_json).read_text())
     config["text_cfg"]["hf_tokenizer_name"] = "timm/ViT-B-16-SigLIP"
     (tmp_path / "hf_tok.json").write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError, match="huggingface-cli download timm/ViT-B-16-SigLIP"):
-        CLIP(student_json, teacher=str(save_lightning(CLIP(str(tmp_path / "hf_tok.json")), tmp_path / "t.ckpt")))
+        CLIP(student_json, distill={"teacher": str(save_lightning(CLIP(str(tmp_path / "hf_tok.json")), tmp_path / "t.ckpt"))})
 
 
 def _tool(*argv: str) -> int:
@@ -194,8 +194,8 @@ def test_stored_embeddings_give_the_online_loss_and_bad_rows_are_counted(
     students = {}
     for how in ("online", "stored"):
         torch.manual_seed(5)
-        kwargs = {"teacher": str(teacher_file)} if how == "online" else {"teacher_embeddings": str(out)}
-        students[how] = CLIP(student_json, distill_weights=weights, **kwargs)
+        kwargs = {"teacher": str(teacher_file)} if how == "online" else {"embeddings": str(out)}
+        students[how] = CLIP(student_json, distill={"weights": weights, **kwargs})
     losses, grads = {}, {}
     for how, student in students.items():
         batch, skipped = _first_batch(student, train)

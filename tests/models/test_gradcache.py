@@ -34,7 +34,7 @@ WORLD = 2
 
 def _model(json_path: str, loss: str, chunk: Optional[int]) -> CLIP:
     torch.manual_seed(0)  # the same initial weights in every model and process
-    return CLIP(json_path, loss=loss, image_mask_ratio=0.5, contrastive_chunk_size=chunk).train()
+    return CLIP(json_path, loss=loss, flip={"mask_ratio": 0.5}, contrastive_chunk_size=chunk).train()
 
 
 def _batch(model: CLIP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +118,7 @@ def _fit(json_path: str, chunk: Optional[int]) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     # SGD: Adam would turn the key bias's zero gradient (softmax ignores it; float noise, chunked
     # or not) into a full-size step in a random direction, hiding what is compared here.
-    model = CLIP(json_path, image_mask_ratio=0.5, contrastive_chunk_size=chunk, warmup_steps=1,
+    model = CLIP(json_path, flip={"mask_ratio": 0.5}, contrastive_chunk_size=chunk, warmup_steps=1,
                  optimizer=lambda params: torch.optim.SGD(params, lr=0.5, momentum=0.9))
     images, tokens = _batch(model)
     batches = [{"image": images.roll(i, dims=0), "text": tokens.roll(i, dims=0)} for i in range(4)]
@@ -195,7 +195,7 @@ def _replayed(records: list) -> bool:
 def test_second_pass_replays_flip_masks_and_drop_path(tmp_path):
     path = tmp_path / "clip_timm_drop_path.json"
     path.write_text(json.dumps(TIMM_DROP_PATH))
-    model = CLIP(str(path), image_mask_ratio=0.5, contrastive_chunk_size=2).train()
+    model = CLIP(str(path), flip={"mask_ratio": 0.5}, contrastive_chunk_size=2).train()
     records = _chunk_forwards(model, preserve_rng_state=True)
     assert len(records) == 2 * BATCH // 2  # 4 chunks, each run twice
     masks = [r[1] for r in records[:4]]

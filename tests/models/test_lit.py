@@ -1,4 +1,4 @@
-"""LiT from an MAE encoder (CLIP model.image_tower_init + lock_image, mmssl.models.lit)."""
+"""LiT from an MAE encoder (CLIP model.image_tower_init + lock.image, mmssl.models.lit)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _mae_checkpoint(path, **sizes) -> MAE:
 
 def test_lit_tower_is_the_mae_encoder_locked_and_the_text_tower_trains(tmp_path):
     mae = _mae_checkpoint(tmp_path / "mae.ckpt")
-    lit = CLIP(model_name=TIMM_CLIP, image_tower_init=str(tmp_path / "mae.ckpt"), lock_image=True).eval()
+    lit = CLIP(model_name=TIMM_CLIP, image_tower_init=str(tmp_path / "mae.ckpt"), lock={"image": True}).eval()
     images = torch.randn(2, 3, 160, 160)
     with torch.no_grad():
         torch.testing.assert_close(lit.model.visual.trunk(images), mae.encoder(images), rtol=0, atol=1e-5)

@@ -20,13 +20,13 @@ def _trainable(module) -> set[str]:
 
 
 def test_lock_text_freezes_the_text_tower_and_leaves_the_last_layers(tiny_clip_json):
-    model = CLIP(tiny_clip_json, lock_text=True)
+    model = CLIP(tiny_clip_json, lock={"text": True})
     trainable = _trainable(model.model)
     assert trainable and all(n.startswith("visual.") or n.startswith("logit_") for n in trainable)
     # open_clip's text groups: embeddings, blocks but the last, last block + ln_final, projection.
-    last = CLIP(tiny_clip_json, lock_text=True, lock_text_unlocked_layers=1)
+    last = CLIP(tiny_clip_json, lock={"text": True, "text_unlocked_layers": 1})
     assert _trainable(last.model) - trainable == {"text_projection"}
-    two = CLIP(tiny_clip_json, lock_text=True, lock_text_unlocked_layers=2)
+    two = CLIP(tiny_clip_json, lock={"text": True, "text_unlocked_layers": 2})
     assert {"ln_final.weight", "transformer.resblocks.0.attn.in_proj_weight"} <= _trainable(two.model)
     assert "token_embedding.weight" not in _trainable(two.model)
 
@@ -34,23 +34,23 @@ def test_lock_text_freezes_the_text_tower_and_leaves_the_last_layers(tiny_clip_j
 def test_lock_image_freezes_batch_norm_statistics_of_a_resnet_tower(tmp_path):
     path = tmp_path / "tiny_rn.json"
     path.write_text(json.dumps(TINY_RN))
-    model = CLIP(str(path), lock_image=True, lock_image_freeze_bn_stats=True)
+    model = CLIP(str(path), lock={"image": True, "image_freeze_bn_stats": True})
     assert any(isinstance(m, FrozenBatchNorm2d) for m in model.model.visual.modules())
     assert not any(n.startswith("visual.") for n in _trainable(model.model))
     with pytest.raises(
-        ValueError, match="lock_image_unlocked_groups: the image tower ModifiedResNet has no layer groups"
+        ValueError, match="lock.image_unlocked_groups: the image tower ModifiedResNet has no layer groups"
     ):
-        CLIP(str(path), lock_image=True, lock_image_unlocked_groups=1)
+        CLIP(str(path), lock={"image": True, "image_unlocked_groups": 1})
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"lock_image_unlocked_groups": 2}, "need model.lock_image: true"),
-    ({"lock_text_unlocked_layers": 1}, "need model.lock_text: true"),
-    ({"lock_image": True, "lock_image_unlocked_groups": 4}, "4 > the 3 groups of the image tower VisionTransformer"),
-    ({"lock_text": True, "lock_text_unlocked_layers": 4}, "4 > the 3 layers of the text tower CLIP"),
-    ({"lock_image": True, "lock_image_freeze_bn_stats": True}, "image tower VisionTransformer has no batch norm"),
-    ({"lock_text": True, "lock_text_freeze_layer_norm": False}, "needs an HF text tower; in the text tower CLIP"),
+    ({"image_unlocked_groups": 2}, "need model.lock.image: true"),
+    ({"text_unlocked_layers": 1}, "need model.lock.text: true"),
+    ({"image": True, "image_unlocked_groups": 4}, "4 > the 3 groups of the image tower VisionTransformer"),
+    ({"text": True, "text_unlocked_layers": 4}, "4 > the 3 layers of the text tower CLIP"),
+    ({"image": True, "image_freeze_bn_stats": True}, "image tower VisionTransformer has no batch norm"),
+    ({"text": True, "text_freeze_layer_norm": False}, "needs an HF text tower; in the text tower CLIP"),
 ])
 def test_lock_settings_open_clip_cannot_honour_are_refused(tiny_clip_json, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        CLIP(tiny_clip_json, **kwargs)
+        CLIP(tiny_clip_json, lock=kwargs)

@@ -103,10 +103,10 @@ def test_flip_recipe_data_and_masking_follow_the_source():
     cfg = _recipe("clip/flip_vit_b16")
     data, model = cfg["data"]["init_args"], cfg["model"]["init_args"]
     assert data["crop_scale"] == [0.5, 1.0] and data["hflip"] is True  # aug.area_range, aug.flip
-    assert model["image_mask_ratio"] == 0.5
+    assert model["flip"]["mask_ratio"] == 0.5
     # README "Unmasked tuning": 100 virtual epochs x 19 steps, 20 warm-up epochs, base lr 4e-8 vs 4e-6.
-    assert (model["unmasked_tune_steps"], model["unmasked_tune_warmup_steps"]) == (1900, 380)
-    assert model["unmasked_tune_lr_ratio"] == pytest.approx(4e-8 / 4e-6)
+    assert (model["flip"]["unmasked_tune_steps"], model["flip"]["unmasked_tune_warmup_steps"]) == (1900, 380)
+    assert model["flip"]["unmasked_tune_lr_ratio"] == pytest.approx(4e-8 / 4e-6)
 
 
 def test_flip_lr_over_the_whole_run():

@@ -1,0 +1,180 @@
+"""Config keys that moved: saved ``config.yaml`` files and checkpoints keep loading under the new names.
+
+A class lists the init arguments it renamed or moved into a config group as ``renamed_args``,
+``{old: new}``, where ``new`` is a name or ``group.key`` (``{"image_mask_ratio": "flip.mask_ratio"}``).
+:func:`upgrade_init_args` rewrites a mapping of init arguments (a checkpoint's ``hyper_parameters``,
+the ``init_args`` of a config) with a deprecation warning that names where the old keys came from;
+:func:`upgrade_config` does the same for every ``class_path`` / ``init_args`` node of a parsed YAML
+config, so an old run's ``config.yaml`` runs unchanged (``mmssl validate --config run/config.yaml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import warnings
+from typing import Any, Iterable, Mapping, Optional
+
+
+def renamed_args(cls: type) -> dict[str, str]:
+    """``{old: new}`` of ``cls`` and its bases (a subclass's entry wins)."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        out.update(getattr(klass, "renamed_args", None) or {})
+    return out
+
+
+def move_keys(init_args: Mapping[str, Any], renames: Mapping[str, str], where: str) -> tuple[dict[str, Any], list[str]]:
+    """``init_args`` with each old key of ``renames`` moved to its new place.
+
+    Args:
+        init_args: the arguments as written (left unchanged).
+        renames: ``{old: new}``, ``new`` a name or ``group.key``.
+        where: the file or key the arguments came from, named in errors.
+
+    Returns:
+        The rewritten arguments and the ``old -> new`` moves made.
+
+    Raises:
+        ValueError: an old key and its new place both given, with different values.
+    """
+    out = dict(init_args)
+    moves = []
+    for old, new in renames.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        group, _, key = new.partition(".")
+        target = out if not key else _group(out, group)
+        name = key or group
+        if name in target and target[name] != value:
+            raise ValueError(f"{where}: {old!r} (the old name of {new!r}) is {value!r} but {new!r} is "
+                             f"{target[name]!r}: keep only {new!r}")
+        target[name] = value
+        moves.append(f"{old} -> {new}")
+    return out, moves
+
+
+def _group(args: dict[str, Any], group: str) -> dict[str, Any]:
+    """The dict of config group ``group`` in ``args``, made a plain dict in place."""
+    value = args.get(group)
+    if value is None:
+        value = {}
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    elif isinstance(value, Mapping):
+        value = dict(value)
+    else:
+        raise ValueError(f"config group {group!r} must be a mapping, got {value!r}")
+    args[group] = value
+    return value
+
+
+def warn_moves(moves: Iterable[str], where: str) -> None:
+    moves = list(moves)
+    if moves:
+        warnings.warn(f"{where}: renamed config keys read under their new names ({', '.join(moves)}); "
+                      "write the new names, the old ones will be removed", FutureWarning, stacklevel=3)
+
+
+def upgrade_init_args(cls: type, init_args: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``cls``'s init arguments with its renamed keys moved (a warning names ``where`` and each move)."""
+    out, moves = move_keys(init_args, renamed_args(cls), where)
+    warn_moves(moves, where)
+    return out
+
+
+def _class_of(class_path: Any) -> Optional[type]:
+    """The class a config's ``class_path`` names, for mmssl's own classes only (others never renamed)."""
+    if not isinstance(class_path, str) or not class_path.startswith("mmssl."):
+        return None
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None  # LightningCLI reports the bad class path itself
+
+
+def upgrade_config(config: Any, where: str, model_renames: Mapping[str, str] = ()) -> tuple[Any, list[str]]:
+    """A parsed YAML config with every mmssl class's renamed init arguments moved.
+
+    Args:
+        config: the parsed config (dicts, lists, values).
+        where: the file, named in messages.
+        model_renames: the renames for a ``model`` node that names no ``class_path`` (its class comes
+            from another config file or the command line): the union of the model classes' own.
+
+    Returns:
+        The rewritten config (a new object where anything moved) and the moves made.
+    """
+    moves: list[str] = []
+
+    def visit(node: Any, key: Optional[str]) -> Any:
+        if isinstance(node, list):
+            return [visit(item, None) for item in node]
+        if not isinstance(node, dict):
+            return node
+        node = {k: visit(v, k) for k, v in node.items()}
+        cls = _class_of(node.get("class_path"))
+        renames = renamed_args(cls) if cls is not None else (model_renames if key == "model" else {})
+        if not renames:
+            return node
+        if "init_args" in node or "class_path" in node:
+            init_args, moved = move_keys(node.get("init_args") or {}, renames, where)
+            if moved:
+                node["init_args"] = init_args
+        else:  # a model section written as its init arguments alone
+            node, moved = move_keys(node, renames, where)
+        moves.extend(moved)
+        return node
+
+    return visit(config, None), moves
+
+
+def model_renames(class_paths: Iterable[str]) -> dict[str, str]:
+    """The union of the renames of the model classes at ``class_paths`` (for a config or flag that
+    names no class: every class that renamed a key renamed it alike)."""
+    out: dict[str, str] = {}
+    for path in class_paths:
+        cls = _class_of(path)
+        if cls is not None:
+            out.update(renamed_args(cls))
+    return out
+
+
+def upgrade_command_line(args: list[str], renames_for_models: Mapping[str, str],
+                         read_yaml: Any, dump_yaml: Any) -> list[str]:
+    """A LightningCLI command line with renamed keys moved: in each ``--config`` file (passed on
+    as the rewritten YAML text when anything moved) and in ``--model.[init_args.]<old>`` flags.
+
+    Args:
+        args: the command line without the program name.
+        renames_for_models: :func:`model_renames` of the model classes.
+        read_yaml: ``path -> parsed config`` (``None`` for a value that is no readable file).
+        dump_yaml: ``config -> YAML text``.
+    """
+    out, moves = [], []
+    config_next = False
+    for arg in args:
+        if config_next or arg.startswith("--config="):
+            value = arg if config_next else arg.split("=", 1)[1]
+            config = read_yaml(value)
+            if config is not None:
+                config, moved = upgrade_config(config, value, renames_for_models)
+                if moved:
+                    moves.extend(f"{value}: {m}" for m in moved)
+                    value = dump_yaml(config)
+            arg = value if config_next else f"--config={value}"
+            config_next = False
+        elif arg in ("--config", "-c"):
+            config_next = True
+        elif arg.startswith("--model."):
+            flag, eq, value = arg.partition("=")
+            key = flag[len("--model."):]
+            key = key[len("init_args."):] if key.startswith("init_args.") else key
+            if key in renames_for_models:
+                moves.append(f"{flag} -> --model.init_args.{renames_for_models[key]}")
+                arg = f"--model.init_args.{renames_for_models[key]}{eq}{value}"
+        out.append(arg)
+    warn_moves(moves, "the command line")
+    return out
