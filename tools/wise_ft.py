@@ -53,7 +53,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, help="score only the first N samples of each set")
     p.add_argument("--plot", help="write target against kept accuracy here (PNG)")
     p.add_argument("--export-alpha", type=float, help="write the mix at this alpha to --output")
-    p.add_argument("--output", help="the checkpoint --export-alpha writes")
+    p.add_argument("--output", help="the checkpoint (.ckpt) --export-alpha writes")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to score")
     add_ema_argument(p)
@@ -62,6 +62,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.export_alpha is None) != (args.output is None):
         p.error("--export-alpha and --output go together")
+    if args.output is not None and args.output.lower().endswith(".safetensors"):
+        # The mix is a Lightning checkpoint (weights, hyper-parameters, kind): torch.save's format,
+        # which a .safetensors name would misstate to every loader that goes by the suffix.
+        p.error(f"--output {args.output!r}: --export-alpha writes a Lightning checkpoint (torch.save), not "
+                "safetensors: name a .ckpt file, then tools/export.py writes .safetensors for timm or open_clip")
     if args.export_alpha is None and not (args.target or args.keep):
         p.error("nothing to do: give --target / --keep sets to score, or --export-alpha with --output")
     if args.plot and not args.keep:
