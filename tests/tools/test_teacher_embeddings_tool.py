@@ -15,6 +15,7 @@ import torch
 from mmssl.data.datamodule import ImageTextDataModule
 from mmssl.data.demo import ensure_demo_data
 from mmssl.data.teacher_embeddings import MANIFEST, TeacherEmbeddings
+from mmssl.export import paths
 from mmssl.models.clip import CLIP
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +47,8 @@ class Killed(BaseException):
     """Stands for a SIGKILL: nothing after it runs in the process (no tool error handling)."""
 
 
-# 4 side files are renamed into place, then the swap: the earlier folder aside, the new one in.
+# 4 side files are renamed into place, then the swap: one exchange of the two folders, or, where the
+# system cannot exchange them, two renames (the earlier folder aside, the new one in).
 @pytest.mark.parametrize("fail_at", [3, 6])
 def test_an_interrupted_overwrite_never_mixes_two_teachers(tmp_path, tiny_demo, teachers, monkeypatch, fail_at):
     train, out = os.path.dirname(tiny_demo.train), tmp_path / "emb"
@@ -55,6 +57,8 @@ def test_an_interrupted_overwrite_never_mixes_two_teachers(tmp_path, tiny_demo, 
     first = _contents(out)
     calls = []
     replace = os.replace
+    if fail_at == 6:
+        monkeypatch.setattr(paths, "exchange", lambda a, b: False)
 
     def killed_at(src, dst):
         calls.append(dst)
