@@ -1,25 +1,33 @@
-"""One table of model kinds (mmssl.checkpoints.layouts.KINDS): loading, exporting and fine-tuning
-initialisation agree on it; every kind exports to every format its row lists, and any other
-format is refused naming the ones it has."""
+"""One table of model kinds (mmssl.checkpoints.layouts.KINDS): every LightningModule of the package
+has its row; loading, exporting and fine-tuning initialisation agree on it; detection does not
+depend on the rows' order; every kind exports to every format its row lists, and any other format
+is refused naming the ones it has."""
 
 from __future__ import annotations
 
+import importlib
+import itertools
 import json
+import pkgutil
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import timm
 import torch
 
+import mmssl
 from mmssl.checkpoints import layouts, load
 from mmssl.checkpoints.layouts import KINDS, detect_kind, kind_named
 from mmssl.export import EXPORTERS, FOLDER_EXPORTERS, FORMATS, export_checkpoint
 from mmssl.export.hub import TIMM_MODELS
 from mmssl.models import ImageClassifier
+from mmssl.models.m3ae import M3AE
 from mmssl.models.mae import MAE
 
 TINY_MAE = dict(image_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, decoder_embed_dim=32,
                 decoder_depth=1, decoder_num_heads=2)
+TINY_M3AE = dict(TINY_MAE, text_length=8)
 TINY_VIT = dict(num_classes=3, model_name="vit_tiny_patch16_224", image_size=32, mixup=0.0, cutmix=0.0,
                 model_kwargs=dict(patch_size=8, embed_dim=32, depth=1, num_heads=2))
 
@@ -41,12 +49,29 @@ def checkpoints(tmp_path_factory, tiny_clip_json, tiny_coca_json) -> dict[str, t
 
     folder = tmp_path_factory.mktemp("kinds")
     modules = {"MAE": MAE(**TINY_MAE), "CLIP": CLIP(tiny_clip_json), "ImageClassifier": ImageClassifier(**TINY_VIT),
-               "CoCa": CoCa(tiny_coca_json)}
+               "CoCa": CoCa(tiny_coca_json), "M3AE": M3AE(**TINY_M3AE)}
     return {name: (m.eval(), _save(m, folder / f"{name}.ckpt")) for name, m in modules.items()}
 
 
+def _lightning_modules() -> set[str]:
+    """Class paths of the LightningModule subclasses the mmssl package defines (every module imported)."""
+    for info in pkgutil.walk_packages(mmssl.__path__, "mmssl."):
+        if info.name != "mmssl.__main__":
+            importlib.import_module(info.name)
+
+    def subclasses(cls: type) -> set[type]:
+        return {c for sub in cls.__subclasses__() for c in (sub, *subclasses(sub))}
+
+    return {f"{c.__module__}.{c.__qualname__}" for c in subclasses(pl.LightningModule)
+            if c.__module__.startswith("mmssl.")}
+
+
+def test_every_lightning_module_of_the_package_has_its_row():
+    assert _lightning_modules() == {kind.class_path for kind in KINDS}
+
+
 def test_the_table_covers_every_module_and_every_format_it_lists_has_a_writer(checkpoints):
-    assert sorted(k.name for k in KINDS) == sorted(checkpoints)
+    assert sorted(k.name for k in KINDS) == sorted(checkpoints)  # the fixture has one of each
     for kind in KINDS:
         module, _ = checkpoints[kind.name]
         assert detect_kind(module.state_dict()) is kind
@@ -55,8 +80,34 @@ def test_the_table_covers_every_module_and_every_format_it_lists_has_a_writer(ch
         assert set(kind.formats) <= set(FORMATS)
         if "timm" in kind.formats:  # a file and a folder
             assert kind.name in TIMM_MODELS and "timm" in EXPORTERS and "timm" in FOLDER_EXPORTERS
+            assert kind.vit is not None and kind.timm is not None
+        if {"open_clip", "open_clip_hf", "hf"} & set(kind.formats):
+            assert kind.open_clip is not None
     assert set(TIMM_MODELS) == set(layouts.kinds_for("timm"))
     assert kind_named("mmssl_evil.Evil") is None
+
+
+def test_detection_does_not_depend_on_the_order_of_the_rows(checkpoints):
+    for order in itertools.permutations(KINDS):
+        for name, (module, _) in checkpoints.items():
+            assert detect_kind(module.state_dict(), order).name == name
+    # An M3AE has an encoder and a decoder too; a CoCa has a CLIP's logit scale: the more specific row wins.
+    assert detect_kind({"encoder.cls_token": 0, "decoder.x": 0}).name == "MAE"
+    assert detect_kind({"model.logit_scale": 0, "model.text_decoder.x": 0}).name == "CoCa"
+    # Keys of two kinds neither of which is the more specific: refused, never the first row's.
+    with pytest.raises(ValueError, match="fit several model kinds.*--model-class"):
+        detect_kind({"model.logit_scale": 0, "model.head.weight": 0})
+
+
+def test_tools_export_docstring_lists_every_kind_with_its_formats():
+    import runpy
+
+    doc = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "export.py"))["__doc__"]
+    rows = {line.split()[0]: line for line in doc.splitlines() if line.startswith("    ") and line.split()}
+    for kind in KINDS:
+        assert kind.name in rows, kind.name
+        for format in kind.formats:
+            assert format in rows[kind.name].replace(",", " ").split(), (kind.name, format)
 
 
 def test_a_format_a_kind_cannot_hold_is_refused_naming_its_formats(checkpoints, tmp_path):
@@ -69,7 +120,8 @@ def test_a_format_a_kind_cannot_hold_is_refused_naming_its_formats(checkpoints, 
             if format in EXPORTERS:
                 outputs.append(tmp_path / f"{kind.name}_{format}.pth")
             for out in outputs:
-                with pytest.raises(ValueError, match=f"not a {kind.name} one.*--format {kind.formats[0]}"):
+                says = f"--format {kind.formats[0]}" if kind.formats else ""
+                with pytest.raises(ValueError, match=f"not a {kind.name} one.*{says}"):
                     export_checkpoint(str(ckpt), format, str(out))
                 assert not out.exists()
 
@@ -89,9 +141,11 @@ def test_image_classifier_exports_to_a_timm_folder_that_timm_loads(checkpoints, 
 
 
 def test_a_folder_export_reads_the_checkpoint_once(checkpoints, tmp_path, monkeypatch):
+    from mmssl.checkpoints import model_file
+
     reads = []
-    real = load.read_checkpoint
-    monkeypatch.setattr(load, "read_checkpoint", lambda path, **kw: reads.append(path) or real(path, **kw))
+    real = model_file.read_checkpoint
+    monkeypatch.setattr(model_file, "read_checkpoint", lambda path, **kw: reads.append(path) or real(path, **kw))
     export_checkpoint(str(checkpoints["MAE"][1]), "timm", str(tmp_path / "vit"))
     assert reads == [str(checkpoints["MAE"][1])]
 

@@ -17,6 +17,8 @@ refused, naming the formats the checkpoint has):
     MAE              timm (file: encoder; folder)
     ImageClassifier  timm (file or folder, head included)
     CLIP             open_clip (file), open_clip_hf, hf (folders)
+    CoCa             open_clip (file)
+    M3AE             none (its image tokens carry a modality embedding no timm ViT has)
 
 An existing output file, or a folder that is not empty, is refused unless ``--overwrite`` (which
 replaces only a folder holding an earlier export's files); a refused export writes nothing.

@@ -3,7 +3,7 @@
 ``theta(alpha) = (1 - alpha) * theta_start + alpha * theta_end`` for every floating-point tensor,
 as ``mlfoundations/wise-ft`` ``src/wise_ft.py`` (``_merge``) does over the whole state dict: alpha
 0 is the start (the zero-shot model), 1 the fine-tuned end. Pure functions over state dicts and
-checkpoint dicts; no model is imported (models import this package's lower floor).
+checkpoint dicts; no model is imported.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from mmssl.checkpoints.layouts import StateDict, detect_kind, kind_named
-from mmssl.upstream import lightning_cli_class_path
+from mmssl.checkpoints.layouts import StateDict
+from mmssl.checkpoints.model_file import checkpoint_kind, recorded_class
 
 # Hyper-parameters that fix a module's architecture (the others, an LR or a warm-up, may differ
 # between the start and the fine-tuned end).
@@ -104,19 +104,27 @@ def _same_model_name(a: Any, b: Any) -> bool:
     return False
 
 
-def architecture_mismatch(start: dict[str, Any], end: dict[str, Any]) -> Optional[str]:
+def _kind_name(path: str, checkpoint: dict[str, Any]) -> Optional[str]:
+    """The checkpoint's kind (:func:`mmssl.checkpoints.model_file.checkpoint_kind`), else the class it
+    records, else ``None``."""
+    try:
+        return checkpoint_kind(path, checkpoint).name
+    except ValueError:
+        return recorded_class(path, checkpoint)
+
+
+def architecture_mismatch(start: dict[str, Any], end: dict[str, Any], names: Sequence[str] = ("start", "end"),
+                          kinds: Optional[Sequence[str]] = None) -> Optional[str]:
     """The first way two Lightning checkpoints differ in architecture (class, a shape-setting
     hyper-parameter, a key or a shape), or ``None``.
 
     Args:
         start: the start's checkpoint dict (``state_dict``, ``hyper_parameters``).
         end: the end's.
+        names: the two files (their runs' ``config.yaml`` tell a class the checkpoints do not record).
+        kinds: the two kinds' names when the caller has told them (a checkpoint made in memory).
     """
-    kinds = []
-    for ckpt in (start, end):
-        recorded = lightning_cli_class_path(ckpt.get("hyper_parameters") or {})
-        kind = kind_named(recorded) if recorded else detect_kind(ckpt["state_dict"])
-        kinds.append(kind.name if kind is not None else recorded)
+    kinds = list(kinds) if kinds is not None else [_kind_name(name, ckpt) for name, ckpt in zip(names, (start, end))]
     if kinds[0] != kinds[1]:
         return f"the start is a {kinds[0]} checkpoint and the end a {kinds[1]} one"
     hp_start, hp_end = start.get("hyper_parameters") or {}, end.get("hyper_parameters") or {}
@@ -129,7 +137,8 @@ def architecture_mismatch(start: dict[str, Any], end: dict[str, Any]) -> Optiona
 
 
 def interpolate_checkpoints(start: dict[str, Any], end: dict[str, Any], alpha: float,
-                            names: Sequence[str] = ("start", "end")) -> dict[str, Any]:
+                            names: Sequence[str] = ("start", "end"),
+                            kinds: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """A Lightning checkpoint of the end's kind and hyper-parameters, weights mixed at ``alpha``.
 
     It holds what :func:`mmssl.checkpoints.load.load_lightning` reads (``state_dict``,
@@ -141,11 +150,12 @@ def interpolate_checkpoints(start: dict[str, Any], end: dict[str, Any], alpha: f
         end: the fine-tuned end's.
         alpha: in [0, 1].
         names: the two files, named in errors.
+        kinds: see :func:`architecture_mismatch`.
 
     Raises:
         ValueError: another architecture, keys or shapes (the first mismatch named), or alpha outside [0, 1].
     """
-    problem = architecture_mismatch(start, end)
+    problem = architecture_mismatch(start, end, names, kinds)
     if problem is not None:
         raise ValueError(f"{names[0]} and {names[1]} cannot be interpolated: {problem}")
     state = interpolate_state(start["state_dict"], end["state_dict"], alpha)

@@ -18,7 +18,7 @@ Layouts (a Lightning checkpoint's ``state_dict``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, Optional
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 from timm.layers import resample_abs_pos_embed
@@ -81,6 +81,41 @@ def clip_timm_trunk(state: StateDict) -> StateDict:
     return trunk
 
 
+def timm_vit_name(patch_size: int, embed_dim: int, depth: int, num_heads: int, image_size: int) -> str:
+    """A registered timm ViT name close to these sizes (the ``architecture`` of a timm export).
+
+    The export's ``model_args`` carry every size, so the name only has to be a ``VisionTransformer``
+    that timm builds; the nearest of timm's sizes (by width) is the most telling for readers.
+    """
+    import timm
+
+    sizes = {"tiny": 192, "small": 384, "base": 768, "large": 1024, "huge": 1280}
+    ordered = sorted(sizes, key=lambda s: abs(sizes[s] - embed_dim))
+    for size in ordered:
+        for name in (f"vit_{size}_patch{patch_size}_{image_size}", f"vit_{size}_patch{patch_size}_224",
+                     f"vit_{size}_patch16_224"):
+            if name in timm.list_models():
+                return name
+    return "vit_base_patch16_224"
+
+
+def mae_timm_args(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """An MAE's timm export: ``{"architecture": name, **timm.create_model kwargs}`` from its hyper-parameters
+    (``num_classes=0``, token pooling: the encoder's final-norm cls token, MAE's linear-probe feature)."""
+    hp = hparams
+    name = timm_vit_name(hp["patch_size"], hp["embed_dim"], hp["depth"], hp["num_heads"], hp["image_size"])
+    return dict(architecture=name, img_size=hp["image_size"], patch_size=hp["patch_size"], embed_dim=hp["embed_dim"],
+                depth=hp["depth"], num_heads=hp["num_heads"], mlp_ratio=hp["mlp_ratio"], num_classes=0,
+                global_pool="token")
+
+
+def classifier_timm_args(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """An ImageClassifier's timm export: its own timm model, head included."""
+    hp = hparams
+    return dict(architecture=hp["model_name"], num_classes=hp["num_classes"], global_pool=hp["global_pool"],
+                img_size=hp["image_size"], **(hp.get("model_kwargs") or {}))
+
+
 @dataclass(frozen=True)
 class ModelKind:
     """A LightningModule mmssl builds from checkpoints, and what its weights convert to.
@@ -88,33 +123,57 @@ class ModelKind:
     Attributes:
         name: the class's short name (``--model-class`` takes it).
         class_path: where the class lives; the only classes a checkpoint is ever loaded into.
-        detect: whether a ``state_dict``'s keys are this kind's (for files that record no class).
+        marks: key prefixes every ``state_dict`` of this kind has (detection of files that record
+            no class): a kind matches when all its marks are there, and of two that match the one
+            whose marks include the other's wins (a CoCa's weights have a CLIP's marks too), so
+            the table's order decides nothing.
         formats: the export formats that can hold it (``tools/export.py --format``).
-        vit: its image ViT under timm's names, or ``None`` (fine-tuning initialisation).
+        vit: its image ViT under timm's names, or ``None`` (fine-tuning initialisation, timm export).
+        open_clip: its open_clip model's weights (a distillation teacher, ``pretrained``), or ``None``.
+        timm: ``hyper_parameters -> {"architecture", **timm.create_model kwargs}`` of its timm export.
+        file_args: init arguments naming files that a module rebuilt from a checkpoint gets as
+            ``None`` (``group.key`` inside a config group): the checkpoint's weights replace what
+            they would load, a distillation teacher is not needed. A flat name and its place in a
+            group are both listed; whichever the class takes is set.
+        base_args: the file arguments a LoRA checkpoint's frozen base is rebuilt from (recorded in
+            the checkpoint with their checksums, :func:`mmssl.models.lora.check_base`).
     """
 
     name: str
     class_path: str
-    detect: Callable[[Collection[str]], bool]
-    formats: tuple[str, ...]
+    marks: tuple[str, ...]
+    formats: tuple[str, ...] = ()
     vit: Optional[Callable[[StateDict], StateDict]] = None
+    open_clip: Optional[Callable[[StateDict], StateDict]] = None
+    timm: Optional[Callable[[Mapping[str, Any]], dict[str, Any]]] = None
+    file_args: tuple[str, ...] = ()
+    base_args: tuple[str, ...] = ()
+
+    def detect(self, keys: Collection[str]) -> bool:
+        """Whether a ``state_dict``'s keys have every mark of this kind."""
+        return all(any(k.startswith(mark) for k in keys) for mark in self.marks)
 
 
-def _is_mae(keys: Collection[str]) -> bool:
-    return any(k.startswith(ENCODER) for k in keys) and any(k.startswith("decoder.") for k in keys)
+# A distillation teacher's files: the flat arguments of checkpoints written before ``distill`` was a
+# config group, and their places in the group. Not the whole group: ``distill.embed_dim`` keeps a
+# distilled student's projection, which its weights hold.
+_DISTILL = ("teacher", "teacher_embeddings", "distill.teacher", "distill.embeddings")
 
-
-# The one table of model kinds. A new LightningModule adds its row (and a test in tests/test_layouts.py).
+# The one table of model kinds. A new LightningModule adds its row; tests/test_layouts.py walks the
+# package and fails for a LightningModule with none.
 KINDS: tuple[ModelKind, ...] = (
-    ModelKind("MAE", "mmssl.models.mae.MAE", _is_mae, ("timm",), mae_to_timm),
-    # Before CLIP, whose detection (model.logit_scale) a CoCa's weights also pass.
-    ModelKind("CoCa", "mmssl.models.coca.CoCa", lambda keys: any(k.startswith("model.text_decoder.") for k in keys),
-              ("open_clip",), clip_timm_trunk),
-    ModelKind("CLIP", "mmssl.models.clip.CLIP", lambda keys: "model.logit_scale" in keys,
-              ("open_clip", "open_clip_hf", "hf"), clip_timm_trunk),
-    ModelKind("ImageClassifier", "mmssl.models.classifier.ImageClassifier",
-              lambda keys: "model.head.weight" in keys and "model.logit_scale" not in keys, ("timm",),
-              classifier_to_timm),
+    ModelKind("MAE", "mmssl.models.mae.MAE", (ENCODER, "decoder."), ("timm",), vit=mae_to_timm, timm=mae_timm_args,
+              file_args=("init_encoder",)),
+    ModelKind("M3AE", "mmssl.models.m3ae.M3AE", (ENCODER, "token_embed.", "mm_decoder.")),
+    ModelKind("CLIP", "mmssl.models.clip.CLIP", ("model.logit_scale",), ("open_clip", "open_clip_hf", "hf"),
+              vit=clip_timm_trunk, open_clip=clip_to_open_clip,
+              file_args=("pretrained", "image_tower_init", *_DISTILL), base_args=("pretrained", "image_tower_init")),
+    ModelKind("CoCa", "mmssl.models.coca.CoCa", ("model.logit_scale", "model.text_decoder."), ("open_clip",),
+              vit=clip_timm_trunk, open_clip=clip_to_open_clip,
+              file_args=("pretrained", "image_tower_init", *_DISTILL), base_args=("pretrained", "image_tower_init")),
+    ModelKind("ImageClassifier", "mmssl.models.classifier.ImageClassifier", ("model.head.weight",), ("timm",),
+              vit=classifier_to_timm, timm=classifier_timm_args, file_args=("init_encoder", "zero_shot_head"),
+              base_args=("init_encoder",)),
 )
 
 
@@ -127,9 +186,24 @@ def kind_named(name: str) -> Optional[ModelKind]:
     return None
 
 
-def detect_kind(keys: Collection[str]) -> Optional[ModelKind]:
-    """The kind whose layout ``keys`` (a Lightning ``state_dict``'s) have, or ``None``."""
-    return next((kind for kind in KINDS if kind.detect(keys)), None)
+def matching_kinds(keys: Collection[str], kinds: Sequence[ModelKind] = KINDS) -> list[ModelKind]:
+    """The kinds whose layout ``keys`` have, the most specific only (see :attr:`ModelKind.marks`)."""
+    found = [kind for kind in kinds if kind.detect(keys)]
+    return [kind for kind in found
+            if not any(set(kind.marks) < set(other.marks) for other in found)]
+
+
+def detect_kind(keys: Collection[str], kinds: Sequence[ModelKind] = KINDS) -> Optional[ModelKind]:
+    """The kind whose layout ``keys`` (a Lightning ``state_dict``'s) have, or ``None``.
+
+    Raises:
+        ValueError: the keys fit two kinds neither of which is the more specific (name the class).
+    """
+    found = matching_kinds(keys, kinds)
+    if len(found) > 1:
+        raise ValueError(f"the weights fit several model kinds ({', '.join(k.name for k in found)}): name the class "
+                         "(--model-class)")
+    return found[0] if found else None
 
 
 def kinds_for(format: str) -> list[str]:
@@ -148,12 +222,14 @@ def vit_weights(state: StateDict, path: str) -> StateDict:
     Returns:
         The state dict; extra keys (MAE's decoder, a classifier head) are left for the caller.
     """
-    kind = detect_kind(state)
-    if kind is not None and kind.vit is not None:
-        try:
+    try:
+        kind = detect_kind(state)
+        if kind is not None and kind.vit is None:
+            raise ValueError(f"a {kind.name} checkpoint has no timm ViT image encoder")
+        if kind is not None:
             return kind.vit(state)
-        except (KeyError, ValueError) as err:
-            raise type(err)(f"{path}: {err.args[0]}") from None
+    except (KeyError, ValueError) as err:
+        raise type(err)(f"{path}: {err.args[0]}") from None
     if any(k.startswith(ENCODER) for k in state):  # an encoder saved without its decoder
         return strip_prefix(state, ENCODER)
     return state

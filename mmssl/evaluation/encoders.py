@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmssl.checkpoints import read_state_dict
-from mmssl.checkpoints.load import load_lightning, model_class_names
+from mmssl.checkpoints.load import load_lightning, model_class_names, open_clip_module
+from mmssl.checkpoints.model_file import folder_format
 from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD
 from mmssl.models.classifier import vit_block_features, vit_probe_tokens
@@ -115,11 +116,7 @@ def load_state_dict_model(path: str, model: str, model_kwargs: Optional[dict] = 
     """
     state_dict = read_state_dict(path)
     if is_open_clip_name(model):
-        from mmssl.models.clip import CLIP  # evaluation -> models: callbacks never import this
-
-        module: nn.Module = CLIP(model_name=model)
-        module.model.load_state_dict(state_dict)
-        return module.eval()
+        return open_clip_module(path, model, state_dict)
     if model not in timm.list_models():
         raise ValueError(f"--model {model!r} is neither an open_clip model / .json config nor a timm model name")
     kwargs = {"pretrained": False, "num_classes": 0, **(model_kwargs or {})}
@@ -219,24 +216,13 @@ def _read_json(path: str) -> dict:
 
 
 def export_format(path: str) -> Optional[str]:
-    """Which export folder ``path`` is: ``"open_clip_hf"``, ``"timm"``, ``"hf"``, or ``None`` (a file).
+    """Which export folder ``path`` is: ``"open_clip_hf"``, ``"timm"``, ``"hf"``, or ``None`` (a file
+    or a sharded checkpoint folder): :func:`mmssl.checkpoints.model_file.folder_format`.
 
     Raises:
         ValueError: a folder that is none of them (its files named).
     """
-    if not os.path.isdir(path):
-        return None
-    if os.path.isfile(os.path.join(path, "open_clip_config.json")):
-        return "open_clip_hf"
-    config = os.path.join(path, "config.json")
-    if os.path.isfile(config):
-        data = _read_json(config)
-        if "architecture" in data:
-            return "timm"
-        if data.get("model_type") == "clip" or "CLIPModel" in (data.get("architectures") or []):
-            return "hf"
-    raise ValueError(f"{path}: not an export folder (open_clip_config.json, a timm config.json or a transformers "
-                     f"CLIPModel config.json); it holds {sorted(os.listdir(path))[:8]}")
+    return folder_format(path)
 
 
 def _weights(folder: str, *names: str) -> dict[str, Tensor]:

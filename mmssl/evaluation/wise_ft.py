@@ -30,7 +30,7 @@ from torch import nn
 
 from mmssl.checkpoints.interpolate import interpolate_checkpoints
 from mmssl.checkpoints.layouts import MODEL, strip_prefix
-from mmssl.checkpoints.load import build_module, checkpoint_kind, module_class, read_lightning
+from mmssl.checkpoints.load import build_from_args, build_module, checkpoint_kind, read_lightning
 from mmssl.data.labeled import labeled_loader, read_classnames, read_templates
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.zero_shot import zero_shot_evaluate
@@ -69,22 +69,24 @@ class Pair:
             self.clip = build_module(start, self.start_ckpt, start_kind)
             self.start_ckpt = {"state_dict": self._step_zero(start).state_dict(),
                                "hyper_parameters": self.end_ckpt.get("hyper_parameters", {})}
+            start_kind = self.kind  # the classifier at step 0
+        self.kinds = (start_kind.name, self.kind.name)
         # Refuse another architecture now, before any set is read.
-        interpolate_checkpoints(self.start_ckpt, self.end_ckpt, 0.0, self.paths)
+        interpolate_checkpoints(self.start_ckpt, self.end_ckpt, 0.0, self.paths, self.kinds)
 
     def _step_zero(self, clip_path: str) -> nn.Module:
         """The end classifier's step 0: built from its hyper-parameters with the CLIP as encoder and head."""
-        hparams = {k: v for k, v in (self.end_ckpt.get("hyper_parameters") or {}).items() if not k.startswith("_")}
+        hparams = self.end_ckpt.get("hyper_parameters") or {}
         if not hparams.get("head_classnames"):
             raise ValueError(f"{self.paths[1]}: an ImageClassifier without a zero-shot head (model.zero_shot_head, "
                              f"model.head_classnames) did not start from {clip_path}'s zero-shot classifier; WiSE-FT "
                              "from a CLIP needs one")
-        hparams.update(init_encoder=clip_path, zero_shot_head=clip_path)
-        return module_class(self.kind)(**hparams).eval()
+        return build_from_args(self.kind, hparams, self.paths[1], init_encoder=clip_path,
+                               zero_shot_head=clip_path).eval()
 
     def checkpoint(self, alpha: float) -> dict[str, Any]:
         """The mixed Lightning checkpoint (the end's kind) at ``alpha``."""
-        return interpolate_checkpoints(self.start_ckpt, self.end_ckpt, alpha, self.paths)
+        return interpolate_checkpoints(self.start_ckpt, self.end_ckpt, alpha, self.paths, self.kinds)
 
     def mix(self, alpha: float) -> nn.Module:
         """The mixed module at ``alpha``, on the CPU, in eval mode."""

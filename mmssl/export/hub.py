@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from mmssl.checkpoints.layouts import classifier_to_timm, mae_to_timm
+from mmssl.checkpoints.layouts import KINDS, kind_named, timm_vit_name  # noqa: F401  (timm_vit_name: public here too)
 
 StateDict = dict[str, torch.Tensor]
 
@@ -93,24 +93,6 @@ class TimmExport:
     model_config: dict = field(default_factory=dict)
 
 
-def timm_vit_name(patch_size: int, embed_dim: int, depth: int, num_heads: int, image_size: int) -> str:
-    """A registered timm ViT name close to these sizes (the ``architecture`` in ``config.json``).
-
-    ``model_args`` carry every size, so the name only has to be a ``VisionTransformer`` that
-    timm builds; the nearest of timm's sizes (by width) is the most telling for readers.
-    """
-    import timm
-
-    sizes = {"tiny": 192, "small": 384, "base": 768, "large": 1024, "huge": 1280}
-    ordered = sorted(sizes, key=lambda s: abs(sizes[s] - embed_dim))
-    for size in ordered:
-        for name in (f"vit_{size}_patch{patch_size}_{image_size}", f"vit_{size}_patch{patch_size}_224",
-                     f"vit_{size}_patch16_224"):
-            if name in timm.list_models():
-                return name
-    return "vit_base_patch16_224"
-
-
 def mmssl_pretrained_cfg(module: nn.Module, architecture: str, image_size: int, num_classes: int, source: str) -> dict:
     """The ``pretrained_cfg`` of an exported model: its normalisation and size (for timm's
     ``resolve_data_config``), tagged as mmssl's and naming the checkpoint file. Built afresh rather
@@ -125,37 +107,31 @@ def mmssl_pretrained_cfg(module: nn.Module, architecture: str, image_size: int, 
     }
 
 
-def timm_from_mae(module: nn.Module, source: str) -> TimmExport:
-    """An mmssl ``MAE``'s encoder as a timm ``VisionTransformer`` (``num_classes=0``, token pool)."""
+def timm_export(module: nn.Module, source: str) -> TimmExport:
+    """The timm model of an mmssl module whose kind's row of the table has one
+    (:attr:`mmssl.checkpoints.layouts.ModelKind.timm`: its architecture and arguments; ``vit``: its
+    weights under timm's names, loaded strictly): an MAE's encoder, an ImageClassifier head included.
+
+    Raises:
+        ValueError: a module whose kind has no timm model, naming the kinds that have one.
+    """
     import timm
 
-    hp = module.hparams
-    args = dict(img_size=hp["image_size"], patch_size=hp["patch_size"], embed_dim=hp["embed_dim"],
-                depth=hp["depth"], num_heads=hp["num_heads"], mlp_ratio=hp["mlp_ratio"],
-                num_classes=0, global_pool="token")
-    name = timm_vit_name(hp["patch_size"], hp["embed_dim"], hp["depth"], hp["num_heads"], hp["image_size"])
-    model = timm.create_model(name, pretrained=False, **args)
-    model.load_state_dict(mae_to_timm(module.state_dict()), strict=True)
-    model.pretrained_cfg = mmssl_pretrained_cfg(module, name, hp["image_size"], 0, source)
-    return TimmExport(model.eval(), {"architecture": name, **args})
+    kind = kind_named(f"{type(module).__module__}.{type(module).__qualname__}")
+    if kind is None or kind.timm is None:
+        raise ValueError(f"--format timm: a {type(module).__name__} checkpoint has no timm image model "
+                         f"(these do: {sorted(TIMM_MODELS)}; CLIP checkpoints: --format open_clip, open_clip_hf or hf)")
+    args = kind.timm(module.hparams)
+    architecture = args.pop("architecture")
+    model = timm.create_model(architecture, pretrained=False, **args)
+    model.load_state_dict(kind.vit(module.state_dict()), strict=True)
+    model.pretrained_cfg = mmssl_pretrained_cfg(module, architecture, args["img_size"], args["num_classes"], source)
+    return TimmExport(model.eval(), {"architecture": architecture, **args})
 
 
-def timm_from_classifier(module: nn.Module, source: str) -> TimmExport:
-    """A fine-tuned mmssl ``ImageClassifier`` as its timm model, head included."""
-    import timm
-
-    hp = module.hparams
-    args = dict(num_classes=hp["num_classes"], global_pool=hp["global_pool"], img_size=hp["image_size"],
-                **(hp.get("model_kwargs") or {}))
-    model = timm.create_model(hp["model_name"], pretrained=False, **args)
-    model.load_state_dict(classifier_to_timm(module.state_dict()), strict=True)
-    model.pretrained_cfg = mmssl_pretrained_cfg(module, hp["model_name"], hp["image_size"], hp["num_classes"], source)
-    return TimmExport(model.eval(), {"architecture": hp["model_name"], **args})
-
-
-# The timm model of each kind whose row in mmssl.checkpoints.layouts.KINDS lists "timm".
+# The kinds with a timm model: the rows of mmssl.checkpoints.layouts.KINDS that say how to build one.
 TIMM_MODELS: dict[str, Callable[[nn.Module, str], TimmExport]] = {
-    "MAE": timm_from_mae, "ImageClassifier": timm_from_classifier,
+    kind.name: timm_export for kind in KINDS if kind.timm is not None
 }
 
 
@@ -172,11 +148,7 @@ def write_timm_folder(module: nn.Module, output: str, source: str = "") -> State
     """
     from timm.models import save_for_hf  # timm's push_to_hf_hub writer, without the upload
 
-    build = TIMM_MODELS.get(type(module).__name__)
-    if build is None:
-        raise ValueError(f"--format timm: a {type(module).__name__} checkpoint has no timm image model "
-                         f"(these do: {sorted(TIMM_MODELS)}; CLIP checkpoints: --format open_clip, open_clip_hf or hf)")
-    export = build(module, source)
+    export = timm_export(module, source)
     args = dict(export.model_args)
     architecture = args.pop("architecture")
     save_for_hf(export.model, output, model_config=dict(export.model_config), model_args=args, safe_serialization=True)

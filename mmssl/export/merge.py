@@ -12,7 +12,7 @@ from typing import Any
 
 from mmssl.checkpoints.layouts import ModelKind
 from mmssl.checkpoints.load import build_module
-from mmssl.models.lora import BASE_ARGS, LORA_BASE, merge_lora
+from mmssl.models.lora import LORA_BASE, merge_lora
 
 
 def merged_checkpoint(path: str, checkpoint: dict[str, Any], kind: ModelKind) -> dict[str, Any]:
@@ -32,7 +32,7 @@ def merged_checkpoint(path: str, checkpoint: dict[str, Any], kind: ModelKind) ->
     module = build_module(path, checkpoint, kind)  # base from its files, then the adapters
     merge_lora(module.model)
     hparams = dict(checkpoint.get("hyper_parameters") or {}, lora=None)
-    hparams.update({k: None for k in BASE_ARGS if k in hparams})
+    hparams.update({k: None for k in kind.base_args if k in hparams})
     out = {k: v for k, v in checkpoint.items() if k != LORA_BASE}
     out.update(state_dict=module.state_dict(), hyper_parameters=hparams)
     return out

@@ -38,8 +38,6 @@ from torch import nn
 
 # The checkpoint entry naming the base files (a top-level key beside "state_dict").
 LORA_BASE = "lora_base"
-# The constructor arguments whose files make a LoRA model's frozen base.
-BASE_ARGS = ("pretrained", "init_encoder", "image_tower_init")
 OPEN_CLIP_TARGETS = ("attn", "c_fc", "c_proj")
 TIMM_VIT_TARGETS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules", "towers", "trainable")
@@ -378,7 +376,7 @@ TIMM_TOWERS: dict[str, Tower] = {"image": Tower("", TIMM_VIT_TARGETS)}
 CLIP_TRAINABLE = ("logit_scale", "logit_bias")
 CLASSIFIER_TRAINABLE = ("head.*", "fc_norm.*")
 
-__all__ = ["BASE_ARGS", "CLASSIFIER_TRAINABLE", "CLIP_TRAINABLE", "LORA_BASE", "LoraCheckpoint", "LoraSpec",
+__all__ = ["CLASSIFIER_TRAINABLE", "CLIP_TRAINABLE", "LORA_BASE", "LoraCheckpoint", "LoraSpec",
            "TIMM_TOWERS", "Tower", "adaptable_modules", "base_reference", "check_base", "clip_towers",
            "enable_lora", "has_lora", "inject_lora", "load_trained_state", "merge_lora", "parse_lora",
            "resolve_targets", "sha256_file", "trainable_keys"]

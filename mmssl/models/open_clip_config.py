@@ -12,7 +12,7 @@ import open_clip
 import torch
 
 from mmssl.checkpoints import read_checkpoint
-from mmssl.checkpoints.read import checkpoint_exists
+from mmssl.checkpoints.model_file import lightning_open_clip_state
 from mmssl.optim import NDIM_LT_2
 
 RANDOM_INIT_NOTICE = "No pretrained weights loaded for model"
@@ -34,15 +34,16 @@ def create_model(name: str, pretrained: Optional[str] = None, **kwargs: Any) -> 
 
     Args:
         name: open_clip model name (see :func:`resolve_model_name`).
-        pretrained: local open_clip checkpoint file, an mmssl CLIP Lightning checkpoint (its
-            ``model.*`` weights), or ``None`` for random weights.
+        pretrained: local open_clip checkpoint file, an mmssl CLIP or CoCa Lightning checkpoint (its
+            open_clip model's weights: :func:`mmssl.checkpoints.model_file.lightning_open_clip_state`),
+            or ``None`` for random weights.
         **kwargs: passed to ``open_clip.create_model``.
 
     Returns:
         The open_clip model.
     """
     if pretrained is not None:
-        mmssl_clip = _mmssl_clip_weights(pretrained)
+        mmssl_clip = lightning_open_clip_state(pretrained)
         if mmssl_clip is None:
             return open_clip.create_model(name, pretrained=pretrained, **kwargs)
         model = create_model(name, None, **kwargs)
@@ -54,18 +55,6 @@ def create_model(name: str, pretrained: Optional[str] = None, **kwargs: Any) -> 
         return open_clip.create_model(name, pretrained=None, **kwargs)
     finally:
         root.removeFilter(notice)
-
-
-def _mmssl_clip_weights(path: str) -> Optional[dict[str, torch.Tensor]]:
-    """The open_clip state dict inside an mmssl CLIP Lightning checkpoint (``model.*`` keys), read
-    by the safe reader, or ``None`` for any other file (an open_clip state dict: open_clip reads it)."""
-    if path.endswith(".safetensors") or not checkpoint_exists(path):
-        return None
-    state = read_checkpoint(path, mmap=True)
-    weights = state.get("state_dict")
-    if not isinstance(weights, dict) or "model.logit_scale" not in weights:
-        return None
-    return {k[len("model."):]: v for k, v in weights.items() if k.startswith("model.")}
 
 
 def resolve_model_name(model_name: str) -> str:

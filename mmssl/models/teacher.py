@@ -34,11 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mmssl.checkpoints import UnsafeCheckpointError, read_checkpoint
-from mmssl.checkpoints.layouts import clip_to_open_clip, detect_kind, kind_named, strip_ddp
-from mmssl.checkpoints.read import is_dcp_folder, lightning_weights
+from mmssl.checkpoints import UnsafeCheckpointError, read_state_dict
+from mmssl.checkpoints.model_file import HF, LIGHTNING, OPEN_CLIP_HF, STATE_DICT, ModelFile, read_model_file
 from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
-from mmssl.upstream import lightning_cli_class_path
 
 KEY = "model.init_args.teacher"
 OPEN_CLIP_HF_CONFIG, OPEN_CLIP_HF_WEIGHTS = "open_clip_config.json", "open_clip_model.safetensors"
@@ -151,16 +149,6 @@ def _hf_preprocess(folder: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
     return tuple(config["image_mean"]), tuple(config["image_std"])
 
 
-def _read(path: str) -> dict[str, Any]:
-    """The weights file through the one safe reader; an unreadable one named as the teacher."""
-    try:
-        return read_checkpoint(path)
-    except (FileNotFoundError, UnsafeCheckpointError) as err:
-        raise type(err)(f"{KEY}: {err}") from None
-    except Exception as err:  # torch's zip reader raises RuntimeError on a truncated or foreign file
-        raise ValueError(f"{KEY}: {path} is not a readable checkpoint ({type(err).__name__}: {err})") from None
-
-
 def _open_clip_teacher(path: str, name: str, state: dict, tokenizer_dir: Optional[str],
                        preprocess: Optional[dict] = None) -> Teacher:
     bias = {"init_logit_bias": 0.0} if "logit_bias" in state else {}  # its value comes from the weights
@@ -176,18 +164,12 @@ def _open_clip_teacher(path: str, name: str, state: dict, tokenizer_dir: Optiona
     return Teacher(model, build_tokenizer(name, tokenizer_dir), tokenizer_signature(name, tokenizer_dir), path)
 
 
-def _lightning_teacher(path: str, checkpoint: dict, model_name: Optional[str], tokenizer_dir: Optional[str],
-                       ema: bool = False) -> Teacher:
-    hparams = checkpoint.get("hyper_parameters") or {}
-    state = strip_ddp(lightning_weights(path, checkpoint, ema))
-    recorded = lightning_cli_class_path(hparams)
-    kind = kind_named(recorded) if recorded else detect_kind(state)
-    if kind is None or kind.name != "CLIP":
-        raise ValueError(f"{KEY}: {path} is a {recorded or 'non-CLIP'} checkpoint; a teacher must be a CLIP")
+def _lightning_teacher(source: ModelFile, model_name: Optional[str], tokenizer_dir: Optional[str]) -> Teacher:
+    hparams = source.init_args()  # renamed keys under their new names
     name = model_name or hparams.get("model_name")
     if not name:
-        raise ValueError(f"{KEY}: {path} records no model_name: pass model.init_args.teacher_model")
-    return _open_clip_teacher(path, resolve_model_name(name), clip_to_open_clip(state),
+        raise ValueError(f"{KEY}: {source.path} records no model_name: pass model.init_args.teacher_model")
+    return _open_clip_teacher(source.path, resolve_model_name(name), source.open_clip_state(),
                               tokenizer_dir or hparams.get("tokenizer"))
 
 
@@ -205,7 +187,7 @@ def _open_clip_hf_teacher(folder: str, tokenizer_dir: Optional[str]) -> Teacher:
         with open(os.path.join(tmp, f"{name}.json"), "w") as f:
             json.dump(config["model_cfg"], f)
         open_clip.add_model_config(os.path.join(tmp, f"{name}.json"))
-    state = _read(os.path.join(folder, OPEN_CLIP_HF_WEIGHTS))
+    state = _read_state(os.path.join(folder, OPEN_CLIP_HF_WEIGHTS))
     return _open_clip_teacher(folder, name, state, tokenizer_dir, config.get("preprocess_cfg"))
 
 
@@ -217,7 +199,7 @@ def _hf_teacher(folder: str) -> Teacher:
     config = CLIPConfig.from_pretrained(folder, local_files_only=True)
     model = CLIPModel(config)
     try:
-        model.load_state_dict(_read(weights_file(folder)))
+        model.load_state_dict(_read_state(weights_file(folder)))
     except RuntimeError as err:
         raise ValueError(
             f"{KEY}: the weights of {folder} do not fit its config.json: {str(err).splitlines()[0]}"
@@ -262,21 +244,34 @@ def load_teacher(path: str, model_name: Optional[str] = None, tokenizer_dir: Opt
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"{KEY}: no teacher file or folder at {path!r}")
-    checkpoint = (
-        None if os.path.isdir(path) and not is_dcp_folder(path) else _read(path)
-    )  # a sharded run's folder reads whole
-    if ema and not isinstance((checkpoint or {}).get("state_dict"), dict):
-        raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this teacher is an export "
-                         "or state dict, which holds one set of weights")
-    if checkpoint is None:
-        if os.path.isfile(os.path.join(path, OPEN_CLIP_HF_CONFIG)):
-            return _open_clip_hf_teacher(path, tokenizer_dir)
-        if os.path.isfile(os.path.join(path, HF_CONFIG)):
-            return _hf_teacher(path)
-        raise FileNotFoundError(f"{KEY}: the folder {path!r} holds neither {OPEN_CLIP_HF_CONFIG} nor {HF_CONFIG}")
-    if isinstance(checkpoint.get("state_dict"), dict):
-        return _lightning_teacher(path, checkpoint, model_name, tokenizer_dir, ema)
+    source = _read(lambda: read_model_file(path, ema, kinds=("CLIP",), where=KEY), path)
+    if source.format == OPEN_CLIP_HF:
+        return _open_clip_hf_teacher(path, tokenizer_dir)
+    if source.format == HF:
+        return _hf_teacher(path)
+    if source.format == LIGHTNING:
+        return _lightning_teacher(source, model_name, tokenizer_dir)
+    if source.format != STATE_DICT:
+        raise ValueError(f"{KEY}: {path} is a {source.format} export folder, an image model only; a teacher is a CLIP")
     if model_name is None:
         raise ValueError(f"{KEY}: {path} is a state dict: name its open_clip model or JSON config with "
                          "model.init_args.teacher_model")
-    return _open_clip_teacher(path, resolve_model_name(model_name), strip_ddp(checkpoint), tokenizer_dir)
+    return _open_clip_teacher(path, resolve_model_name(model_name), source.state_dict, tokenizer_dir)
+
+
+def _read(read: Callable[[], Any], path: str) -> Any:
+    """``read()`` of a teacher's file; an unreadable one named as the teacher."""
+    try:
+        return read()
+    except (FileNotFoundError, UnsafeCheckpointError) as err:
+        raise type(err)(f"{KEY}: {err}") from None
+    except (ValueError, KeyError) as err:
+        message = str(err.args[0]) if err.args else str(err)
+        raise type(err)(message if message.startswith(KEY) else f"{KEY}: {message}") from None
+    except Exception as err:  # torch's zip reader raises RuntimeError on a truncated or foreign file
+        raise ValueError(f"{KEY}: {path} is not a readable checkpoint ({type(err).__name__}: {err})") from None
+
+
+def _read_state(path: str) -> dict[str, Any]:
+    """A hub folder's weights file through the one safe reader."""
+    return _read(lambda: read_state_dict(path), path)

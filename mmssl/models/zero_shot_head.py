@@ -26,11 +26,14 @@ import torch
 from open_clip.zero_shot_classifier import build_zero_shot_classifier
 from torch import Tensor, nn
 
-from mmssl.checkpoints import read_checkpoint
-from mmssl.checkpoints.layouts import clip_to_open_clip
+from mmssl.checkpoints.layouts import KINDS
+from mmssl.checkpoints.model_file import LIGHTNING, read_model_file
 from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.data.labeled import DEFAULT_TEMPLATES, TEMPLATES_FILE, read_classnames, read_templates
 from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
+
+# The kinds whose open_clip model's prompts make a head (CLIP; CoCa's contrastive towers).
+OPEN_CLIP_KINDS = tuple(kind.name for kind in KINDS if kind.open_clip is not None)
 
 
 def _image_projection(visual: nn.Module, path: str) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -68,8 +71,10 @@ def clip_zero_shot_head(path: str, classnames: str, templates: Optional[str] = N
     """
     if not checkpoint_exists(path):
         raise FileNotFoundError(f"model.zero_shot_head: no checkpoint file at {path!r}")
-    checkpoint = read_checkpoint(path)
-    state, hparams = checkpoint.get("state_dict", checkpoint), checkpoint.get("hyper_parameters") or {}
+    source = read_model_file(path, kinds=OPEN_CLIP_KINDS, where="model.zero_shot_head")
+    if source.format != LIGHTNING:
+        raise KeyError(f"{path}: no hyper_parameters.model_name: the zero-shot head needs an mmssl CLIP checkpoint")
+    hparams = source.init_args()
     if "model_name" not in hparams:
         raise KeyError(f"{path}: no hyper_parameters.model_name: the zero-shot head needs an mmssl CLIP checkpoint")
     name = resolve_model_name(hparams["model_name"])
@@ -77,7 +82,7 @@ def clip_zero_shot_head(path: str, classnames: str, templates: Optional[str] = N
     if not hasattr(clip.visual, "trunk"):
         raise ValueError(f"{path}: the CLIP's image tower is open_clip's own ViT, not a timm model: an "
                          "ImageClassifier (a timm ViT) can start only from a CLIP with a timm tower")
-    clip.load_state_dict(clip_to_open_clip(state))
+    clip.load_state_dict(source.open_clip_state())
     pool = open_clip_vision_pool(name)
     if global_pool is not None and pool != global_pool:
         raise ValueError(f"model.global_pool={global_pool!r} but the CLIP tower of {path} pools with timm_pool="
