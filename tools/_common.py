@@ -19,9 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable, Optional
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+from PIL import Image, UnidentifiedImageError
 
 from mmssl.checkpoints import UnsafeCheckpointError
+from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS
 
 # What a tool reports in one line and exit 1, instead of a traceback: bad or missing input files
 # (OSError: FileNotFoundError, FileExistsError, IsADirectoryError, ...), bad values (ValueError),
@@ -80,6 +84,35 @@ def add_loader_arguments(parser: argparse.ArgumentParser, batch_size: Optional[i
     """
     parser.add_argument("--batch-size", type=int, default=batch_size, required=batch_size is None, help=batch_help)
     add_option(parser, "--num-workers", *old_workers, type=int, default=num_workers, help=workers_help)
+
+
+def check_images(paths: Sequence[str], max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, option: str = "--images") -> None:
+    """Refuse image files before any is decoded: missing, unreadable, or larger than training decodes.
+
+    Only each header is read. The limit is the data pipeline's
+    (:data:`mmssl.data.decode.DEFAULT_MAX_IMAGE_PIXELS`): a larger image would cost gigabytes to
+    decode for a model input of a few hundred pixels, and one above twice it is refused by PIL with
+    a ``DecompressionBombError`` that is no ``OSError``.
+
+    Raises:
+        FileNotFoundError: no file at a path.
+        ValueError: a file that is not an image, or larger than ``max_pixels``, naming it and its size.
+    """
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{option}: no image file at {path!r}")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below names the file
+                with Image.open(path) as image:
+                    width, height = image.size
+        except Image.DecompressionBombError as err:
+            raise ValueError(f"{option}: {path!r} is too large to decode ({err})") from None
+        except (UnidentifiedImageError, OSError) as err:
+            raise ValueError(f"{option}: {path!r} is not a readable image ({err})") from None
+        if width * height > max_pixels:
+            raise ValueError(f"{option}: {path!r} is {width} x {height} pixels, above the {max_pixels} that mmssl "
+                             "decodes (training skips such images): resize it first")
 
 
 def output_names(paths: list[str], suffix: str) -> list[str]:

@@ -19,7 +19,7 @@ import sys
 from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
-from mmssl.tools._common import add_images, output_names, run
+from mmssl.tools._common import add_images, check_images, output_names, run
 from mmssl.visualize.attention import attention_maps
 from mmssl.visualize.figures import overlay_grid, save_png
 from mmssl.visualize.inputs import load_images
@@ -44,6 +44,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _write(args: argparse.Namespace) -> None:
     names = output_names(args.images, "_attention.png")  # before anything is loaded or written
+    check_images(args.images)
     model = load_model(args.ckpt, args.model, args.model_kwargs, args.model_class, args.ema)
     images, views = load_images(args.images, model)
     maps = attention_maps(model, images, args.head_fusion)

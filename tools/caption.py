@@ -32,7 +32,7 @@ from mmssl.evaluation.captions import generate_captions, names_class
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
 from mmssl.evaluation.offline import emit_report
 from mmssl.models.generation import GENERATION_TYPES
-from mmssl.tools._common import add_loader_arguments, add_option, add_output_json, run
+from mmssl.tools._common import add_loader_arguments, add_option, add_output_json, check_images, run
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -60,7 +60,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="top_p / top_k: transformers' penalty")
     g.add_argument("--seed", type=int, default=0, help="top_p / top_k: sampling seed")
     add_loader_arguments(p, batch_size=32)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.generation_type != "beam_search":  # checked here: sampling divides the logits by the temperature
+        if not args.temperature > 0:
+            p.error(f"--temperature {args.temperature:g}: sampling needs a temperature above 0 (the logits are "
+                    "divided by it); for the most likely caption use --generation-type beam_search")
+        if args.generation_type == "top_k" and args.top_k < 1:
+            p.error(f"--top-k {args.top_k}: keep at least 1 token")
+        if args.generation_type == "top_p" and not 0 < args.top_p <= 1:
+            p.error(f"--top-p {args.top_p:g}: a probability mass in (0, 1]")
+    return args
 
 
 def generation_params(args: argparse.Namespace) -> dict:
@@ -82,6 +91,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _caption(args: argparse.Namespace) -> None:
     if args.seq_len is not None and args.seq_len <= args.min_seq_len:
         raise ValueError(f"--seq-len {args.seq_len} must exceed --min-seq-len {args.min_seq_len}")
+    if args.images:
+        check_images(args.images)  # before the model is read
     model = load_model(args.ckpt, args.model, None, args.model_class, args.ema)
     if not hasattr(model, "generation_ids"):  # a user's wrong file: one line naming it
         raise ValueError(f"{args.ckpt}: {type(model).__name__} has no text decoder: captions need a CoCa checkpoint")

@@ -17,7 +17,7 @@ import sys
 from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
-from mmssl.tools._common import add_images, output_names, run
+from mmssl.tools._common import add_images, check_images, output_names, run
 from mmssl.visualize.figures import overlay_grid, save_png
 from mmssl.visualize.inputs import load_images
 from mmssl.visualize.similarity import similarity_maps
@@ -43,6 +43,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _write(args: argparse.Namespace) -> None:
     names = output_names(args.images, "_similarity.png")  # before anything is loaded or written
+    check_images(args.images)
     model = load_model(args.ckpt, args.model, None, args.model_class, args.ema)
     if not hasattr(model, "encode_text"):  # a user's wrong file, not a bug: one line naming it
         raise ValueError(f"{args.ckpt}: {type(model).__name__} is not a CLIP: patch-text similarity needs a CLIP "

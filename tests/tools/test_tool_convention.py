@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # tools._common, as the tools import it
@@ -60,6 +61,7 @@ def test_usage_error_exits_2(tool, capsys):
 @pytest.mark.parametrize("tool", sorted(CASES))
 def test_missing_input_exits_1_with_one_line_naming_it(tool, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
+    Image.new("RGB", (8, 8)).save("a.png")  # the --images of the image tools, there to be checked
     assert _main(tool)(list(CASES[tool])) == 1
     captured = capsys.readouterr()
     assert captured.err.startswith(f"{tool}: ") and captured.err.count("\n") == 1, captured.err
