@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -192,3 +192,33 @@ class Phase:
         if steps <= 0 or warmup_steps < 0 or peak_ratio < 0:
             raise ValueError(f"bad phase: steps={steps}, warmup_steps={warmup_steps}, peak_ratio={peak_ratio}")
         self.steps, self.warmup_steps, self.peak_ratio = int(steps), int(warmup_steps), float(peak_ratio)
+
+
+def global_batch_size(trainer: Any, owner: str) -> int:
+    """Per-device batch x devices x accumulation: MAE's ``eff_batch_size`` (``main_pretrain.py``,
+    ``main_finetune.py``), from the data module's ``batch_size`` or else the training loader's.
+
+    Args:
+        trainer: the fitting ``Trainer``.
+        owner: the model class, named in the error.
+
+    Raises:
+        ValueError: no per-device batch size to read.
+    """
+    per_device = getattr(trainer.datamodule, "batch_size", None)
+    if per_device is None and trainer.train_dataloader is not None:
+        per_device = getattr(trainer.train_dataloader, "batch_size", None)
+    if per_device is None:
+        raise ValueError(f"{owner}(blr=...) needs the per-device batch size from the data module's `batch_size`; "
+                         "set model.blr to null and give the optimizer an lr instead")
+    return int(per_device) * trainer.world_size * trainer.accumulate_grad_batches
+
+
+def lr_from_blr(blr: float, trainer: Any, owner: str) -> float:
+    """MAE sec. A.1 (``main_pretrain.py`` / ``main_finetune.py``): lr = blr x global batch / 256, logged once."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    batch = global_batch_size(trainer, owner)
+    lr = blr * batch / 256
+    rank_zero_info(f"{owner}: lr {lr:.3e} = blr {blr:.3e} x global batch {batch} / 256")
+    return lr

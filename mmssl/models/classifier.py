@@ -39,7 +39,7 @@ from mmssl.models.lora import CLASSIFIER_TRAINABLE, TIMM_TOWERS, LoraCheckpoint,
 from mmssl.models.memory import compile_blocks, compile_options
 from mmssl.models.vit import load_encoder
 from mmssl.models.zero_shot_head import init_zero_shot_head
-from mmssl.optim import check_warmup, warmup_cosine
+from mmssl.optim import check_warmup, lr_from_blr, warmup_cosine
 from mmssl.sharding import shard_model
 from mmssl.upstream import attached_trainer
 
@@ -281,16 +281,6 @@ class ImageClassifier(LoraCheckpoint, LightningModule):
 
     # ---- optimisation --------------------------------------------------------------------------
 
-    def _global_batch_size(self) -> int:
-        """Per-device batch x devices x accumulation (MAE ``eff_batch_size``)."""
-        per_device = getattr(self.trainer.datamodule, "batch_size", None)
-        if per_device is None and self.trainer.train_dataloader is not None:
-            per_device = getattr(self.trainer.train_dataloader, "batch_size", None)
-        if per_device is None:
-            raise ValueError("ImageClassifier(blr=...) needs the data module's `batch_size`; set model.blr "
-                             "to null and give the optimizer an lr instead")
-        return int(per_device) * self.trainer.world_size * self.trainer.accumulate_grad_batches
-
     def configure_optimizers(self) -> dict:
         # MAE util/lr_decay.py param_groups_lrd: timm's version gives the same layer ids
         # (cls_token, pos_embed, patch_embed: 0; blocks.i: i+1; the rest: depth+1) and scales
@@ -302,9 +292,7 @@ class ImageClassifier(LoraCheckpoint, LightningModule):
         total_steps = self.trainer.estimated_stepping_batches  # loads the training loader
         lr = optimizer.param_groups[0]["lr"]
         if self.blr is not None:
-            global_batch = self._global_batch_size()
-            lr = self.blr * global_batch / 256  # MAE main_finetune.py: lr = blr * eff_batch_size / 256
-            rank_zero_info(f"ImageClassifier: lr {lr:.3e} = blr {self.blr:.3e} x global batch {global_batch} / 256")
+            lr = lr_from_blr(self.blr, self.trainer, "ImageClassifier")
         for group in optimizer.param_groups:  # MAE util/lr_sched.py: lr x lr_scale per group
             group["lr"] = group["initial_lr"] = lr * group["lr_scale"]
         batches = self.trainer.num_training_batches

@@ -336,5 +336,4 @@ class M3AE(LightningModule):
 
     # MAE main_pretrain.py's AdamW groups, blr x global batch / 256 and per-step warm-up + cosine,
     # reading the same attributes (optimizer, no_weight_decay, _param_ndim, blr, warmup_steps, ...).
-    _global_batch_size = MAE._global_batch_size
     configure_optimizers = MAE.configure_optimizers

@@ -24,7 +24,15 @@ from mmssl.losses import mae_loss
 from mmssl.models.masking import Masking, patchify, sample_noise, unpatchify
 from mmssl.models.memory import compile_blocks, compile_options, run_blocks
 from mmssl.models.vit import LayerNorm, MaskedViT, init_vit_weights, load_encoder, sincos_pos_embed_2d
-from mmssl.optim import NDIM_LT_2, check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
+from mmssl.optim import (
+    NDIM_LT_2,
+    check_warmup,
+    lr_from_blr,
+    param_groups,
+    record_shapes,
+    unmatched_patterns,
+    warmup_cosine,
+)
 from mmssl.sharding import shard_model
 from mmssl.upstream import attached_trainer
 
@@ -367,32 +375,15 @@ class MAE(LightningModule):
         # object, so Lightning computes and resets it at the end of the epoch on every rank.
         self.log("val/loss", self.val_loss, prog_bar=True)
 
-    def _global_batch_size(self) -> int:
-        """Per-device batch x devices x accumulation, as in MAE ``main_pretrain.py``."""
-        trainer = self.trainer
-        per_device = getattr(trainer.datamodule, "batch_size", None)
-        if per_device is None and trainer.train_dataloader is not None:
-            per_device = getattr(trainer.train_dataloader, "batch_size", None)
-        if per_device is None:
-            raise ValueError(
-                "MAE(blr=...) needs the per-device batch size from the data module's `batch_size`; "
-                "set model.blr to null and give the optimizer an lr instead"
-            )
-        return int(per_device) * trainer.world_size * trainer.accumulate_grad_batches
-
     def configure_optimizers(self) -> dict:
         optimizer = self.optimizer(param_groups(self, self.no_weight_decay, self._param_ndim))
         # Estimating the steps loads the train dataloader, which the batch-size fallback reads.
         total_steps = self.trainer.estimated_stepping_batches
         if self.blr is not None:
-            global_batch = self._global_batch_size()
-            lr = self.blr * global_batch / 256  # MAE sec. A.1: lr = blr x batch / 256
+            lr = lr_from_blr(self.blr, self.trainer, type(self).__name__)
             for group in optimizer.param_groups:
                 group["lr"] = lr
                 group["initial_lr"] = lr
-            rank_zero_info(
-                f"MAE: effective lr {lr:.3e} = blr {self.blr:.3e} x global batch {global_batch} / 256"
-            )
         scheduler = warmup_cosine(optimizer, self.warmup_steps, total_steps, self.min_lr_ratio)
         schedule = {"scheduler": scheduler, "interval": "step"}
         return {"optimizer": optimizer, "lr_scheduler": schedule}
