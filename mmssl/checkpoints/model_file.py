@@ -251,6 +251,22 @@ def lightning_open_clip_state(path: str) -> Optional[StateDict]:
     return ModelFile(path, LIGHTNING, checkpoint, kind).open_clip_state()
 
 
+def read_vit_state(path: str, where: str) -> StateDict:
+    """The image ViT a file holds, under timm's names (``image_tower_init``, ``init_encoder``): an mmssl
+    checkpoint's by its kind's converter (:attr:`ModelKind.vit`), a state dict or an MAE release as
+    stored (:func:`mmssl.checkpoints.layouts.vit_weights` reads their layout).
+
+    Raises:
+        ValueError: an export folder, or a kind without a timm ViT (naming the file).
+    """
+    source = read_model_file(path, where=where)
+    if source.format == LIGHTNING:
+        return source.vit_state()
+    if source.format != STATE_DICT:
+        raise ValueError(f"{path} is a {source.format} export folder: pass its weights file")
+    return source.state_dict
+
+
 def read_lightning(path: str, ema: bool = False) -> dict[str, Any]:
     """A Lightning checkpoint file as plain data (weights only), its ``state_dict`` the raw
     weights, or with ``ema`` the averaged ones (:func:`mmssl.checkpoints.read.lightning_weights`).

@@ -3,7 +3,7 @@
 LiT (Zhai et al. 2022) locks a pretrained image tower and trains the text tower to read it. Here
 the tower is open_clip's ``TimmModel`` (a JSON config with ``vision_cfg.timm_model_name``), its
 ``trunk`` filled from an mmssl checkpoint of a kind with a ViT (read by
-:func:`mmssl.checkpoints.model_file.read_model_file`, its ViT under timm's names by the table's
+:func:`mmssl.checkpoints.model_file.read_vit_state`, its ViT under timm's names by the table's
 converter: an MAE's ``MaskedViT`` uses timm's names), a timm export of one or an MAE release;
 ``model.lock_image`` then freezes the trunk (open_clip's ``TimmModel.lock``), leaving its linear
 projection and the text tower to train.
@@ -21,7 +21,7 @@ from timm.models import build_model_with_cfg, register_model
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from mmssl.checkpoints.model_file import LIGHTNING, STATE_DICT, read_model_file
+from mmssl.checkpoints.model_file import read_vit_state
 from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from mmssl.models.vit import load_encoder
 
@@ -64,10 +64,6 @@ def init_image_tower(model: nn.Module, path: str) -> tuple[list[str], list[str]]
         raise TypeError(f"model.image_tower_init needs a timm ViT image tower (a model config with "
                         f"vision_cfg.timm_model_name), not open_clip's {type(model.visual).__name__}")
     try:
-        source = read_model_file(path, where="model.image_tower_init")
-        if source.format not in (LIGHTNING, STATE_DICT):
-            raise ValueError(f"{path} is a {source.format} export folder: pass its weights file")
-        state = source.vit_state() if source.format == LIGHTNING else source.state_dict
-        return load_encoder(trunk, path, state=state)
+        return load_encoder(trunk, path, state=read_vit_state(path, "model.image_tower_init"))
     except (KeyError, ValueError) as err:
         raise type(err)(f"model.image_tower_init: {err.args[0]}") from None
