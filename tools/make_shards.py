@@ -41,6 +41,18 @@ def check_not_inside(data: str, outputs: list[str]) -> None:
                              "images they are made from; name a folder outside it")
 
 
+def check_case_twins(data: str, names: list[str]) -> None:
+    """Refuse class folders whose names differ only in case: CLIP's tokenizer lower-cases text, so
+    their captions and zero-shot prompts would be one text for two classes."""
+    seen: dict[str, str] = {}
+    for name in names:
+        twin = seen.setdefault(name.casefold(), name)
+        if twin != name:
+            raise ValueError(f"--data {data!r}: the class names {twin!r} and {name!r} of its folders differ only in "
+                             "case, so their captions and prompts would be the same text (the tokenizer lower-cases): "
+                             "merge or rename one")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write the shards of ``--data`` to ``--output``; the exit status."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     if folder:
         if "{c}" not in args.template:
             parser.error(f"--template {args.template!r} has no '{{c}}' for the class name")
+        try:
+            args.template.format(c="class")
+        except (KeyError, IndexError, ValueError) as err:
+            parser.error(f"--template {args.template!r}: only '{{c}}' is filled in (the class name), and a literal "
+                         f"brace is written '{{{{' or '}}}}' ({type(err).__name__}: {err})")
         args.split = args.split or "train"
     if args.split and args.prefix:
         parser.error("--prefix: clip_benchmark's layout names its shards 0.tar, 1.tar, ...")
@@ -71,6 +88,7 @@ def _write(args: argparse.Namespace, folder: bool) -> None:
     if folder:
         check_not_inside(args.data, [args.output, os.path.join(args.output, args.split)])
         items, names = folder_items(args.data, args.template)
+        check_case_twins(args.data, names)
     elif os.path.exists(args.data):
         items = table_items(args.data)
     else:

@@ -40,18 +40,39 @@ def table_items(path: str) -> list[tuple[str, str, Optional[int]]]:
     """Samples of a CSV/TSV with columns ``path,caption[,label]`` (header optional).
 
     Relative image paths are taken from the table's folder.
+
+    Raises:
+        ValueError: the file is not UTF-8, or a row lacks a column, has an empty caption or a label
+            that is no class index in [0, 2**63) (the bounds training applies,
+            :func:`mmssl.data.decode.parse_label`); each names the file and line.
     """
     delimiter = "\t" if path.endswith((".tsv", ".tab")) else ","
     base = os.path.dirname(os.path.abspath(path))
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({err.reason} at byte {err.start}): save it as "
+                         "UTF-8") from None
     items = []
-    with open(path, newline="", encoding="utf-8") as f:
-        for i, row in enumerate(csv.reader(f, delimiter=delimiter)):
-            if i == 0 and row and row[0].strip().lower() in ("path", "image", "filepath"):
-                continue
-            if len(row) < 2:
-                raise ValueError(f"{path}:{i + 1}: expected path,caption[,label], got {row}")
-            label = int(row[2]) if len(row) > 2 and row[2].strip() else None
-            items.append((os.path.join(base, row[0]), row[1], label))
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    for i, row in enumerate(reader):
+        where = f"{path}:{reader.line_num}"  # the row's last line (a quoted field may hold line breaks)
+        if i == 0 and row and row[0].strip().lower() in ("path", "image", "filepath"):
+            continue
+        if len(row) < 2:
+            raise ValueError(f"{where}: expected path,caption[,label], got {row}")
+        if not row[1].strip():
+            raise ValueError(f"{where}: empty caption for {row[0]!r} (training skips a sample without text)")
+        label = None
+        if len(row) > 2 and row[2].strip():
+            try:
+                label = parse_label(row[2], name="label")
+            except ValueError as err:
+                raise ValueError(f"{where}: {err} (a class index in [0, 2**63))") from None
+        items.append((os.path.join(base, row[0]), row[1], label))
     return items
 
 
