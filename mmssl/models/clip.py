@@ -271,7 +271,7 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         # open_clip's public encode_text always adds all context_length positions.
         return open_clip_encode_text_prefix(model, tokens, normalize=normalize)
 
-    # Probe hooks (added by the evaluation branch, issue 6): the protocol of
+    # Probe hooks: the protocol of
     # mmssl.evaluation.features, over open_clip's VisionTransformer.forward_intermediates.
 
     def forward_features(self, images: Tensor) -> Tensor:

@@ -129,7 +129,8 @@ def test_the_teacher_stays_frozen_and_out_of_the_students_checkpoint(tmp_path, t
     student.on_save_checkpoint(checkpoint)
     assert checkpoint["teacher"]["sha256"] == hashlib.sha256(teacher_file.read_bytes()).hexdigest()
     assert (
-        checkpoint["teacher"]["path"] == str(teacher_file) and checkpoint["hyper_parameters"]["distill"]["embed_dim"] == 32
+        checkpoint["teacher"]["path"] == str(teacher_file)
+        and checkpoint["hyper_parameters"]["distill"]["embed_dim"] == 32
     )
     # An evaluation or export rebuilds the student without its teacher, projection included.
     rebuilt = build_module("student.ckpt", checkpoint, checkpoint_kind("student.ckpt", checkpoint))
@@ -159,7 +160,8 @@ def test_bad_teacher_files_are_refused_at_start_up_naming_them(tmp_path, teacher
     config["text_cfg"]["hf_tokenizer_name"] = "timm/ViT-B-16-SigLIP"
     (tmp_path / "hf_tok.json").write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError, match="huggingface-cli download timm/ViT-B-16-SigLIP"):
-        CLIP(student_json, distill={"teacher": str(save_lightning(CLIP(str(tmp_path / "hf_tok.json")), tmp_path / "t.ckpt"))})
+        teacher = save_lightning(CLIP(str(tmp_path / "hf_tok.json")), tmp_path / "t.ckpt")
+        CLIP(student_json, distill={"teacher": str(teacher)})
 
 
 def _tool(*argv: str) -> int:
