@@ -182,7 +182,7 @@ class TeacherEmbeddings:
         except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:
             found = f"unreadable teacher embeddings file {path} ({type(err).__name__}: {err})"
         else:
-            found = ({str(k): i for i, k in enumerate(keys)}, image, text)
+            found = _rows(path, keys, image, text)
         self._shards[path] = found
         if len(self._shards) > CACHED_SHARDS:
             self._shards.popitem(last=False)
@@ -210,6 +210,20 @@ class TeacherEmbeddings:
             raise BadSample(f"non-finite teacher embeddings for key {key!r} in "
                             f"{side_file(self.folder, raw.get('__url__'))}")
         return pair
+
+
+def _rows(path: str, keys: np.ndarray, image: np.ndarray, text: np.ndarray) -> Any:
+    """``(key -> row, image, text)`` of a side file, or why its samples cannot be joined: a key
+    given twice (which row is the sample's is unknown) or fewer rows than keys."""
+    rows: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        first = rows.setdefault(str(key), i)
+        if first != i:
+            return f"teacher embeddings file {path} holds key {str(key)!r} twice (rows {first} and {i})"
+    if keys.ndim != 1 or len(image) != len(keys) or len(text) != len(keys):
+        return (f"teacher embeddings file {path} holds {len(keys)} keys but {len(image)} image and {len(text)} text "
+                "rows")
+    return rows, image, text
 
 
 def missing_side_files(folder: Optional[str], urls: list[str]) -> list[str]:
