@@ -22,9 +22,10 @@ Tasks are a list of names (default options) or a mapping ``task: {options}``:
 - ``retrieval``: ``recall_k: [1, 5, 10]`` (each test image's ``txt`` lines are its captions).
 
 A suite is data, not code: a ``pipe:`` source (webdataset runs its command in a shell) is refused
-in every path. Every problem (an unknown key, task or protocol, a missing set, a zero-shot set without class
-names, a probe without a training split, a ``pipe:``) raises :class:`SuiteError` naming the entry
-(``sets.demo.tasks.zero_shot``), so a bad suite stops before a model is loaded.
+in every path. Every problem (an unknown key, task or protocol, a missing set, a zero-shot set
+without class names, a classification task on a set of one class, a probe without a training
+split, a ``pipe:``) raises :class:`SuiteError` naming the entry (``sets.demo.tasks.zero_shot``), so
+a bad suite stops before a model is loaded.
 """
 
 from __future__ import annotations
@@ -201,6 +202,12 @@ def _set(name: str, spec: Any, where: str) -> SetSpec:
         except (OSError, ValueError) as err:
             if out.task("zero_shot"):
                 raise SuiteError(f"{where}.tasks.zero_shot: needs class names: {err}") from None
+    classifying = [t.name for t in tasks if t.name in ("zero_shot", "linear_probe", "knn")]
+    if classifying and out.classnames is not None and len(out.classnames) < 2:
+        # Every prediction of a one-class set is right: it scored 100 [100, 100] and lifted the
+        # suite's averages.
+        raise SuiteError(f"{where}.tasks.{classifying[0]}: the set has one class ({out.classnames[0]!r}), so every "
+                         "prediction is right; classification needs two classes or more (retrieval alone scores it)")
     if out.task("zero_shot"):
         templates = _path(spec["templates"], f"{where}.templates") if spec.get("templates") else None
         try:
