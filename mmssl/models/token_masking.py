@@ -89,6 +89,7 @@ def bert_masking(
     never_masked: Sequence[int] = (),
     padding: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
+    noise: Optional[torch.Tensor] = None,
 ) -> BertMasking:
     """BERT's masked-LM corruption of a batch of captions.
 
@@ -107,6 +108,9 @@ def bert_masking(
         never_masked: ids never chosen (start/end-of-text, pad).
         padding: (B, T) True at padding positions, never chosen (:func:`padding_after_eot`).
         generator: RNG for reproducible masks.
+        noise: (B, T, 3) uniforms in [0, 1) to draw from instead of ``generator``: the choice
+            order, the 80/10/10 draw and the random id (``floor(u * vocab_size)``), so masks can be
+            a function of the sample (validation) or of its global index (exact across world sizes).
 
     Returns:
         :class:`BertMasking` of (B, T) tensors.
@@ -117,14 +121,17 @@ def bert_masking(
     check_share("mask_share", mask_share)
     check_share("random_share", random_share, 0.0, 1.0 - mask_share)
     maskable = maskable_tokens(tokens, never_masked, padding)  # (B, T)
-    noise = torch.rand(tokens.shape, device=tokens.device, generator=generator)  # (B, T)
-    order = _ranked(maskable, noise)  # maskable first, in random order
+    if noise is None:
+        noise = torch.rand((*tokens.shape, 3), device=tokens.device, generator=generator)  # (B, T, 3)
+    elif noise.shape != (*tokens.shape, 3):
+        raise ValueError(f"noise must be (B, T, 3) = {(*tokens.shape, 3)}, got {tuple(noise.shape)}")
+    order = _ranked(maskable, noise[..., 0])  # maskable first, in random order
     count = maskable.sum(dim=1)  # (B,)
     chosen = torch.where(count > 0, (count.float() * ratio).round().clamp_min(1), 0).to(torch.int64)  # (B,)
     rank = torch.argsort(order, dim=1)  # (B, T) each token's place in the random order
     selected = (rank < chosen.unsqueeze(1)) & maskable
-    draw = torch.rand(tokens.shape, device=tokens.device, generator=generator)  # (B, T)
-    random_ids = torch.randint(0, vocab_size, tokens.shape, device=tokens.device, generator=generator)
+    draw = noise[..., 1]  # (B, T)
+    random_ids = (noise[..., 2] * vocab_size).to(torch.int64).clamp_max(vocab_size - 1)  # (B, T) uniform ids
     to_mask = selected & (draw < mask_share)
     to_random = selected & (draw >= mask_share) & (draw < mask_share + random_share)
     input_ids = torch.where(to_mask, torch.full_like(tokens, mask_token_id), tokens)
@@ -212,3 +219,54 @@ def masked_token_ce(
     ce_sum = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
     correct = ((logits.argmax(dim=-1) == labels) & target).sum()
     return ce_sum, correct, target.sum()
+
+
+class MaskVocabulary(NamedTuple):
+    """What :func:`bert_masking` needs to know of a tokenizer (:func:`mask_vocabulary`).
+
+    Attributes:
+        mask_id: the id written over the chosen tokens.
+        random_vocab: random replacements are drawn from [0, random_vocab).
+        never_masked: special ids never chosen (start/end-of-text, class, pad).
+        eot_id: open_clip's BPE: padding is what follows this id (it pads with 0, the token "!");
+            ``None``: padding is the tokenizer's pad id, one of ``never_masked``.
+    """
+
+    mask_id: int
+    random_vocab: int
+    never_masked: tuple[int, ...]
+    eot_id: Optional[int]
+
+
+def mask_vocabulary(tokenizer, text_vocab_size: int, key: str = "model.init_args.model_name") -> MaskVocabulary:
+    """The mask token and special ids of an open_clip tokenizer, for :func:`bert_masking`.
+
+    open_clip's BPE (``SimpleTokenizer``) has no mask token: it is an added special token, the id
+    one past its vocabulary (``vocab_size``), whose embedding is one more row of the text tower
+    (the model config's ``text_cfg.vocab_size`` = BPE size + 1). A Hugging Face tokenizer (open_clip's
+    ``HFTokenizer``) brings its own ``mask_token_id`` (BERT's ``[MASK]``).
+
+    Args:
+        tokenizer: an open_clip tokenizer (``SimpleTokenizer`` or ``HFTokenizer``).
+        text_vocab_size: rows of the text tower's token embedding.
+        key: the config key named in errors.
+
+    Raises:
+        ValueError: a Hugging Face tokenizer without a mask token (naming it), or a text tower
+            without a row for the mask token (naming ``text_cfg.vocab_size`` and the size it needs).
+    """
+    hf = getattr(tokenizer, "tokenizer", None)  # HFTokenizer wraps a transformers tokenizer
+    if hf is not None and hasattr(hf, "all_special_ids"):
+        if getattr(hf, "mask_token_id", None) is None:
+            raise ValueError(f"{key}: the tokenizer {getattr(hf, 'name_or_path', type(hf).__name__)!r} has no mask "
+                             "token, so masked language modelling cannot mark the chosen tokens; use one that has "
+                             "(BERT's [MASK]) or open_clip's BPE")
+        mask_id, vocab = int(hf.mask_token_id), len(hf)
+        never, eot = tuple(int(i) for i in hf.all_special_ids if i != mask_id), None
+    else:
+        mask_id = vocab = int(tokenizer.vocab_size)  # one past the BPE vocabulary: the added special token
+        never, eot = (int(tokenizer.sot_token_id), int(tokenizer.eot_token_id)), int(tokenizer.eot_token_id)
+    if text_vocab_size <= mask_id:
+        raise ValueError(f"{key}: text_cfg.vocab_size is {text_vocab_size}, but the mask token has id {mask_id}: "
+                         f"set text_cfg.vocab_size to {mask_id + 1} (one embedding row for it)")
+    return MaskVocabulary(mask_id, vocab, never, eot)

@@ -1,0 +1,197 @@
+"""CLIPMLM (CLIP + MLM + ITM): gradients, loss terms by hand, refusals, and 2 DDP processes
+through the real CLI logging the validation figures of one."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmssl.losses import clip_loss
+from mmssl.models.clip_mlm import CLIPMLM, pick_negatives, sample_uniforms
+from mmssl.models.token_masking import IGNORE_INDEX
+from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
+
+MICRO = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+    "text_cfg": {"context_length": 16, "vocab_size": 49409, "width": 32, "heads": 2, "layers": 1,
+                 "no_causal_mask": True},
+}
+CAPTIONS = ["a small red square top left", "a big blue circle", "a small red square top left", "green triangle"]
+
+
+def _json(folder, **text_cfg) -> str:
+    config = json.loads(json.dumps(MICRO))
+    config["text_cfg"].update(text_cfg)
+    config["text_cfg"] = {k: v for k, v in config["text_cfg"].items() if v is not None}
+    path = folder / f"clip_mlm_{len(list(folder.glob('*.json')))}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def micro_json(tmp_path_factory) -> str:
+    return _json(tmp_path_factory.mktemp("models"))
+
+
+def _model(micro_json: str, **kwargs) -> CLIPMLM:
+    torch.manual_seed(0)
+    return CLIPMLM(model_name=micro_json, warmup_steps=0, **kwargs)
+
+
+def test_every_parameter_gets_a_gradient(micro_json):
+    for loss in ("clip", "siglip"):
+        model = _model(micro_json, loss=loss).train()
+        terms = model.losses(torch.randn(4, 3, 32, 32), model.tokenizer(CAPTIONS))
+        assert all(torch.isfinite(terms[k]) for k in ("loss", "contrastive", "mlm", "itm")), terms
+        terms["loss"].backward()
+        missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+        assert not missing, (loss, missing)
+
+
+def test_text_tower_reads_both_sides(micro_json):
+    """A later word changes an earlier token's state: the tower has no causal mask."""
+    model = _model(micro_json).eval()
+    tokens = model.tokenizer(["a red square", "a red circle"])
+    with torch.no_grad():
+        states = model.forward_text_tokens(tokens)  # (2, L, W)
+    assert not torch.allclose(states[0, 2], states[1, 2])  # "red", followed by different words
+
+
+def test_loss_terms_by_hand(micro_json):
+    model = _model(micro_json, mlm_weight=0.7, itm_weight=0.3).eval()
+    images, tokens = torch.randn(4, 3, 32, 32), model.tokenizer(CAPTIONS)
+    noise = torch.rand(*tokens.shape, 3, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(images, tokens)
+        masking = model.mask_captions(tokens, noise)
+        ce_sum, correct, count = model.mlm_sums(masking)
+        itm_sum, hits, itm_count = model.itm_sums(out, tokens, None, gathered=False)
+        # MLM by hand: open_clip's text transformer without a mask, BERT's head tied to the embeddings.
+        m = model.model
+        x = m.token_embedding(masking.input_ids) + m.positional_embedding
+        states = m.ln_final(m.transformer(x, attn_mask=None))  # (B, L, W)
+        head = model.mlm_head
+        logits = F.layer_norm(F.gelu(states @ head.dense.weight.T + head.dense.bias), (states.shape[-1],),
+                              head.norm.weight, head.norm.bias) @ m.token_embedding.weight.T + head.bias
+        chosen = masking.labels != IGNORE_INDEX
+        expected = F.cross_entropy(logits[chosen], masking.labels[chosen], reduction="sum")
+        assert count == chosen.sum() == 4  # one of each caption's 1-6 words (BERT: max(1, round(0.15 n)))
+        assert ce_sum == pytest.approx(float(expected), rel=1e-4)
+        assert correct == (logits[chosen].argmax(-1) == masking.labels[chosen]).sum()
+        # ITM by hand: captions 0 and 2 are the same text, so neither is the other's negative.
+        image, text = out["image_features"], out["text_features"]
+        sim = image @ text.T
+        rows, terms = [], []
+        for i in range(4):
+            others = [j for j in range(4) if tokens[j].tolist() != tokens[i].tolist()]
+            neg_image = max(others, key=lambda j: float(sim[j, i]))  # the image most like caption i
+            neg_text = max(others, key=lambda j: float(sim[i, j]))  # the caption most like image i
+            if i in (0, 2):
+                assert 2 - i not in others
+            rows += [(i, i, 1), (i, neg_image, 0), (neg_text, i, 0)]
+        for t, v, label in rows:
+            logit = model.itm_head(text[t:t + 1], out["image_tokens"][v:v + 1])
+            terms.append(F.cross_entropy(logit, torch.tensor([label]), reduction="sum"))
+        assert itm_count == 12 and itm_sum == pytest.approx(float(sum(terms)), rel=1e-4)
+        # The total, as training weighs it (one process: the token mean and the 3B mean).
+        model.train()
+        torch.manual_seed(1)
+        terms = model.losses(images, tokens)
+        again = model(images, tokens)  # FLIP is off: training mode sees whole images too
+        contrastive = clip_loss(again["image_features"], again["text_features"], m.logit_scale.exp())
+        assert terms["contrastive"] == pytest.approx(float(contrastive), rel=1e-5)
+        assert terms["loss"] == pytest.approx(float(terms["contrastive"] + 0.7 * terms["mlm"] + 0.3 * terms["itm"]),
+                                              rel=1e-5)
+
+
+def test_caption_without_maskable_token_contributes_nothing(micro_json):
+    model = _model(micro_json).train()
+    images = torch.randn(2, 3, 32, 32)
+    empty = model.tokenizer(["", ""])  # start and end of text only
+    terms = model.losses(images, empty)
+    assert terms["mlm"] == 0 and torch.isfinite(terms["loss"]) and terms["captions_without_target"] == 2
+    terms["loss"].backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    mixed = model.tokenizer(["", "a blue circle"])
+    noise = torch.rand(*mixed.shape, 3, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, _, count = model.mlm_sums(model.mask_captions(mixed, noise))
+    assert count == 1  # the second caption's one chosen word; the empty one adds nothing
+
+
+def test_negatives_follow_the_softmax_and_skip_invalid_columns():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 5.0]]).expand(20000, 4)
+    valid = torch.tensor([[True, True, True, False]]).expand(20000, 4)
+    index, found = pick_negatives(logits, valid, torch.rand(20000, 4, generator=torch.Generator().manual_seed(0)))
+    share = torch.bincount(index, minlength=4).float() / 20000
+    assert found.all() and share[3] == 0
+    assert torch.allclose(share[:3], torch.softmax(torch.tensor([0.0, 1.0, 2.0]), 0), atol=0.015)
+    index, found = pick_negatives(torch.zeros(2, 3), torch.tensor([[False] * 3, [True, False, True]]))
+    assert found.tolist() == [False, True] and index[1] in (0, 2)
+
+
+def test_draws_depend_on_the_global_index_not_the_split():
+    whole = sample_uniforms(0, 5, 0, 4, 7, torch.device("cpu"))
+    halves = torch.cat([sample_uniforms(0, 5, 0, 2, 7, torch.device("cpu")),
+                        sample_uniforms(0, 5, 2, 2, 7, torch.device("cpu"))])
+    assert torch.equal(whole, halves) and not torch.equal(whole, sample_uniforms(0, 6, 0, 4, 7, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"mlm_weight": -0.1}, "model.init_args.mlm_weight"),
+    ({"itm_weight": -1.0}, "model.init_args.itm_weight"),
+    ({"mlm_mask_ratio": 0.0}, "model.init_args.mlm_mask_ratio"),
+    ({"mlm_mask_ratio": 1.0}, "model.init_args.mlm_mask_ratio"),
+    ({"mlm_random_share": 0.3}, "model.init_args.mlm_random_share"),
+    ({"contrastive_chunk_size": 2}, "model.init_args.contrastive_chunk_size"),
+    ({"lora": {"r": 2}}, "model.init_args.lora"),
+])
+def test_bad_options_are_refused_naming_the_key(micro_json, kwargs, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        CLIPMLM(model_name=micro_json, **kwargs)
+
+
+def test_a_causal_or_maskless_text_tower_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no_causal_mask: true"):
+        CLIPMLM(model_name=_json(tmp_path, no_causal_mask=None))
+    with pytest.raises(ValueError, match="set text_cfg.vocab_size to 49409"):
+        CLIPMLM(model_name=_json(tmp_path, vocab_size=49408))
+
+
+def test_two_processes_log_the_validation_figures_of_one(tmp_path, tiny_demo, micro_json):
+    """configs/demo/clip_mlm.yaml, lr 0, one validation shard (rank 1 has no batch): 2 DDP ranks
+    (training through the gathered negatives and the all-reduced MLM count) log the retrieval,
+    zero-shot, masked-word and matching figures of 1 process."""
+    val = f"{os.path.dirname(tiny_demo.val)}/0.tar"
+    figures = []
+    for processes in (1, 2):
+        folder = tmp_path / f"p{processes}"
+        folder.mkdir()
+        args = [
+            "fit", "--config", str(REPO / "configs/demo/clip_mlm.yaml"), f"--model.init_args.model_name={micro_json}",
+            f"--data.init_args.demo_dir={tiny_demo.root}", f"--data.init_args.val_data={val}",
+            "--data.init_args.batch_size=4", "--data.init_args.num_workers=2",
+            "--model.init_args.optimizer.init_args.lr=0.0", "--trainer.max_epochs=1",
+            "--trainer.limit_train_batches=2", "--trainer.log_every_n_steps=1",
+            f"--trainer.default_root_dir={folder / 'runs'}", "--trainer.enable_progress_bar=false",
+        ]
+        if processes == 2:
+            args += ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT]
+        out = run_mmssl(args, folder) if processes == 2 else run_one_process(args)
+        assert out.returncode == 0, out.stdout[-3000:]
+        assert "sync_dist=True" not in out.stdout, out.stdout[-3000:]
+        run = folder / "runs" / "version_0"
+        figures.append(last_metrics(run))
+        train = last_metrics(run, ("train/",))
+        assert torch.isfinite(torch.tensor([train["train/mlm_loss"], train["train/itm_loss"]])).all(), train
+    one, two = figures
+    expected = {"val/loss", "val/mlm_top1", "val/mlm_loss", "val/itm_accuracy", "val/itm_loss",
+                "val/contrastive_loss", "val/i2t_R@1", "val/t2i_R@1", "val/zero_shot_top1"}
+    assert expected <= one.keys() and one.keys() == two.keys()
+    for key in one:
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-5), key
