@@ -4,7 +4,8 @@ The convention: ``--ckpt`` (a checkpoint, ``mmssl.evaluation.encoders.add_checkp
 ``--data`` (the input set), ``--output`` (what the tool writes), ``--output-json`` (its figures as
 JSON), ``--images`` (one or many), ``--batch-size``, ``--num-workers``. ``main(argv=None) -> int``
 returns 0 on success and 1 on an expected failure, after one line on stderr naming the file or key
-at fault (:func:`run`); a usage error exits 2 (argparse's ``SystemExit(2)``, also in-process).
+at fault, or the optional dependency to install (:func:`run`); a usage error exits 2 (argparse's
+``SystemExit(2)``, also in-process).
 
 A spelling a user may have in scripts stays accepted as a hidden, deprecated alias
 (:func:`add_option`): not shown in ``--help`` except as a note in the new option's help.
@@ -159,11 +160,23 @@ def run(name: str, body: Callable[[], Optional[int]]) -> int:
 
     Returns:
         ``body``'s status (0 for ``None``), or 1 after one line ``NAME: FILE-or-KEY: what`` on stderr
-        for an expected failure (:data:`EXPECTED_FAILURES`); anything else propagates (a bug's traceback).
+        for an expected failure (:data:`EXPECTED_FAILURES`, or an optional dependency missing,
+        :func:`is_missing_extra`); anything else propagates (a bug's traceback).
     """
     try:
         status = body()
     except EXPECTED_FAILURES as err:
         print(f"{name}: {describe(err)}", file=sys.stderr)
         return 1
+    except ImportError as err:
+        if not is_missing_extra(err):
+            raise  # a broken installation or a bug: its traceback
+        print(f"{name}: {describe(err)}", file=sys.stderr)
+        return 1
     return 0 if status is None else int(status)
+
+
+def is_missing_extra(err: ImportError) -> bool:
+    """Whether ``err`` is mmssl's sentence for an optional dependency that is not installed (peft
+    for a LoRA checkpoint, transformers for a Hugging Face folder): it says what to install."""
+    return "pip install" in str(err)
