@@ -19,6 +19,7 @@ refused, naming the formats the checkpoint has):
     CLIP             open_clip (file), open_clip_hf, hf (folders)
     CoCa             open_clip (file)
     M3AE             none (its image tokens carry a modality embedding no timm ViT has)
+    CLIPMLM          none yet
 
 An existing output file, or a folder that is not empty, is refused unless ``--overwrite`` (which
 replaces only a folder holding an earlier export's files); a refused export writes nothing.

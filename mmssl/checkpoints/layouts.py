@@ -171,6 +171,9 @@ KINDS: tuple[ModelKind, ...] = (
     ModelKind("CoCa", "mmssl.models.coca.CoCa", ("model.logit_scale", "model.text_decoder."), ("open_clip",),
               vit=clip_timm_trunk, open_clip=clip_to_open_clip,
               file_args=("pretrained", "image_tower_init", *_DISTILL), base_args=("pretrained", "image_tower_init")),
+    # CLIP's towers (an open_clip ViT: no timm trunk) with MLM and ITM heads; no export format yet.
+    ModelKind("CLIPMLM", "mmssl.models.clip_mlm.CLIPMLM", ("model.logit_scale", "mlm_head.", "itm_head."),
+              open_clip=clip_to_open_clip, file_args=("pretrained", "image_tower_init", *_DISTILL)),
     ModelKind("ImageClassifier", "mmssl.models.classifier.ImageClassifier", ("model.head.weight",), ("timm",),
               vit=classifier_to_timm, timm=classifier_timm_args, file_args=("init_encoder", "zero_shot_head"),
               base_args=("init_encoder",)),

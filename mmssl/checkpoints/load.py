@@ -1,8 +1,9 @@
 """A LightningModule from a checkpoint file, built as one of the kinds of the one table
 (:data:`mmssl.checkpoints.layouts.KINDS`): every tool, export and probe loads through here.
 
-The file is read, and its kind chosen, by :func:`mmssl.checkpoints.model_file.read_model_file` (the
-floor below the models, which the model-side loaders use too); here the LightningModule is built.
+The file is read, its kind chosen and its hyper-parameters read as init arguments on the floor below
+the models (:mod:`mmssl.checkpoints.model_file`, which the model-side loaders use too: the teacher,
+``pretrained``, ``image_tower_init``, ``zero_shot_head``); here the LightningModule is built.
 """
 
 from __future__ import annotations
