@@ -44,3 +44,20 @@ def test_inspect_shards_still_reads_an_incomplete_folder_and_reports_it(tmp_path
     assert good == 64 and problems[0].startswith(f"{shards}: incomplete")
     (shards / INCOMPLETE_FILE).unlink()
     assert len(expand_urls(str(shards))) == 4
+
+
+def test_every_rank_refuses_an_incomplete_shard_folder_at_start_up(tmp_path, tiny_demo, tiny_clip_json):
+    """On 2 gloo processes, validation on: both ranks refuse in setup, naming the folder; none waits."""
+    from tests.cli_runs import PG_TIMEOUT, REPO, run_mmssl
+
+    shards = _interrupted_copy(tiny_demo, tmp_path / "shards")
+    out = run_mmssl([
+        "fit", "--config", str(REPO / "configs/demo/clip.yaml"), "--config", str(REPO / "configs/trainer/ddp_cpu.yaml"),
+        PG_TIMEOUT, f"--model.init_args.model_name={tiny_clip_json}", f"--data.init_args.demo_dir={tiny_demo.root}",
+        f"--data.init_args.train_data={shards}", "--data.init_args.batch_size=4", "--data.init_args.num_workers=0",
+        f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.max_steps=2",
+    ], tmp_path, timeout=240)
+    assert out.returncode != 0
+    said = f"{shards} is incomplete: its writer (tools/make_shards.py) stopped"
+    assert out.stdout.count(said) >= 2, out.stdout[-3000:]  # raised on both ranks, in setup
+    assert "Sanity Checking" not in out.stdout and not list((tmp_path / "runs").rglob("*.ckpt"))
