@@ -111,8 +111,8 @@ def test_the_suite_average_is_per_task_and_protocol_over_its_sets():
 def test_compare_pairs_the_shared_sets_and_its_table_shows_b_minus_a(tmp_path):
     a = [_result("cars", "zero_shot", "clip", {"acc1": _ratio([1, 0, 0, 1, 0, 1, 0, 0])}),
          _result("pets", "zero_shot", "clip", {"acc1": _ratio([1, 1])})]  # B has no pets: left out
-    b = [_result("cars", "zero_shot", "clip", {"acc1": _ratio([1, 1, 1, 1, 0, 1, 1, 0])}),
-         _result("cars", "zero_shot", "openai", {"acc1": _ratio([1] * 8)})]  # A has no openai protocol
+    b = [_result("cars", "zero_shot", "openai", {"acc1": _ratio([1] * 8)}),  # A has no openai protocol
+         _result("cars", "zero_shot", "clip", {"acc1": _ratio([1, 1, 1, 1, 0, 1, 1, 0])})]
     [row] = compare(a, b, 200, seed=3)
     assert (row["set"], row["task"], row["protocol"], row["metric"], row["num_samples"]) == (
         "cars", "zero_shot", "clip", "acc1", 8)
