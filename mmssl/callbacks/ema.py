@@ -24,19 +24,32 @@ one. mmssl's tools read the raw weights unless ``--ema`` (:func:`mmssl.checkpoin
 
 from __future__ import annotations
 
+import itertools
+import os
 from copy import deepcopy
 from typing import Any, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import WeightAveraging
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torchmetrics import Metric
 
-from mmssl.checkpoints.read import RAW_WEIGHTS, has_averaged_weights, read_checkpoint
+from mmssl.checkpoints.read import AVERAGING_STATE, LIGHTNING_META, RAW_WEIGHTS, has_averaged_weights, read_checkpoint
+from mmssl.checkpoints.sharded import (
+    AVERAGED_WEIGHTS,
+    checkpoint_folder,
+    gather_module,
+    load_averaged_weights,
+    load_full_state,
+    reshard_module,
+)
 from mmssl.distributed import is_sharded
+from mmssl.sharding import is_fsdp2
 from mmssl.upstream import set_weight_averaging_model, weight_averaging_model
 
 __all__ = ["EMA", "EVALUATE", "SUFFIX", "ema_decay"]
@@ -113,6 +126,8 @@ class EMA(WeightAveraging):
         self._decay_now = decay
         self._copied: set[int] = set()  # storage of the non-persistent buffers of the average
         self._copy: Optional[pl.LightningModule] = None  # the averaged module of ``mmssl validate``
+        self._swapped: list[tuple[Tensor, Tensor]] = []  # FSDP2, evaluate: ema: (average, model) tensors
+        self._gathered = False  # FSDP2, evaluate: both: the average is gathered for evaluation
 
     # ---- averaging -----------------------------------------------------------------------------
 
@@ -125,6 +140,9 @@ class EMA(WeightAveraging):
             current: the module's matching tensors.
             num_averaged: updates so far (torch's counter; the decay here is a function of the step).
         """
+        # FSDP2: each rank averages its own shards, the local tensors of the DTensors (an
+        # elementwise update, so the same numbers as on the whole tensors).
+        averaged, current = [_local(a) for a in averaged], [_local(c) for c in current]
         # AveragedModel groups the tensors by device and dtype: one call per group. Copied, not
         # averaged: integer buffers (BatchNorm's num_batches_tracked), as timm ModelEmaV3 does, and
         # non-persistent buffers (constants outside the checkpoint, like open_clip's causal mask
@@ -157,42 +175,98 @@ class EMA(WeightAveraging):
     # ---- set-up --------------------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if is_sharded(trainer.strategy):
-            raise ValueError(f"EMA: {type(trainer.strategy).__name__} shards the weights and WeightAveraging keeps a "
-                             "whole copy on every device: use EMA with DDP or one device")
+        fsdp2 = isinstance(trainer.strategy, ModelParallelStrategy)
+        if is_sharded(trainer.strategy) and not fsdp2:
+            raise ValueError(f"EMA: {type(trainer.strategy).__name__} (FSDP 1) shards the weights and WeightAveraging "
+                             "keeps a whole copy on every device: use EMA with FSDP2 (configs/trainer/fsdp2.yaml), "
+                             "DDP or one device")
+        if fsdp2 and is_fsdp2(pl_module):
+            raise ValueError(f"EMA: {type(pl_module).__name__} was sharded before the EMA callback's setup: the "
+                             "average is copied from the unsharded model and sharded as it is")
         if stage == "fit":
-            # WeightAveraging.setup, without its warning about configure_model (CLIP's only acts
-            # under FSDP, refused above): the layers exist before the copy is made.
-            if is_overridden("configure_model", pl_module):
+            # WeightAveraging.setup, without its warning about configure_model: the layers exist
+            # before the copy is made. Under FSDP2 the copy is made before the model is sharded,
+            # then both are sharded alike (the model's configure_model on each), so each rank holds
+            # and averages its shard of the average only; the whole copy exists only here.
+            if not fsdp2 and is_overridden("configure_model", pl_module):
                 pl_module.configure_model()
-            average = AveragedModel(pl_module, device=pl_module.device, use_buffers=True,
+            # AveragedModel's own deepcopy would copy the device mesh and LightningCLI's optimizer
+            # factory (both hold locks): the copy is made by _copy and given to it.
+            average = AveragedModel(nn.Identity(), device=pl_module.device, use_buffers=True,
                                     multi_avg_fn=self.update_average)
+            average.module = _copy(pl_module).to(pl_module.device)
             set_weight_averaging_model(self, average)
-            module = average.module
-            persistent = set(module.state_dict())
-            self._copied = {b.data_ptr() for name, b in module.named_buffers() if name not in persistent and b.numel()}
-            self._attach(module, trainer, pl_module)
+            self._prepare(average.module, trainer, pl_module)
+        elif stage == "validate" and fsdp2 and self.evaluate == "both":
+            self._copy = _copy(pl_module)  # sharded below; the average is loaded in on_validation_start
+            self._prepare(self._copy, trainer, pl_module)
+
+    def _prepare(self, module: pl.LightningModule, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Shard the copy ``module`` as ``pl_module`` under FSDP2 (then ``pl_module`` itself), note
+        its non-persistent buffers (copied, not averaged) and attach it for validation."""
+        if isinstance(trainer.strategy, ModelParallelStrategy):
+            module.trainer = trainer  # its configure_model shards it on the run's device mesh
+            module.configure_model()
+            pl_module.configure_model()
+        persistent = set(module.state_dict())
+        self._copied = {b.data_ptr() for name, b in module.named_buffers() if name not in persistent and b.numel()}
+        self._attach(module, trainer, pl_module)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """``mmssl validate``: Lightning has loaded ``state_dict``, the averaged weights of an EMA
-        checkpoint. ``ema`` keeps them, ``raw`` loads the raw ones, ``both`` keeps the average in a
-        copy and loads the raw ones; ``ema`` / ``both`` refuse a checkpoint without an average,
-        before any batch (every rank reads the same file, so all stop together)."""
-        if trainer.state.fn != "validate":
+        """``fit`` under FSDP2: the average is swapped in (``ema``) or gathered (``both``) here,
+        before the strategy gathers the model for evaluation (Lightning calls the callbacks' hook
+        first), while both are sharded alike. ``mmssl validate``: see :meth:`_validate_checkpoint`."""
+        if trainer.state.fn == "validate":
+            self._validate_checkpoint(trainer, pl_module)
+        module = self.averaged_module()
+        if not isinstance(trainer.strategy, ModelParallelStrategy) or module is None:
             return
-        path = trainer.ckpt_path
-        checkpoint = read_checkpoint(str(path)) if path else {}
-        if not has_averaged_weights(checkpoint):
+        if self.evaluate == "ema" and trainer.state.fn != "validate":
+            self._swapped = _pairs(module, pl_module)  # the sharded tensors, still named after the gather
+            _exchange(self._swapped)
+        elif self.evaluate == "both" and not trainer.sanity_checking and _gathers(trainer):
+            gather_module(module)
+            self._gathered = True
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._swapped:
+            _exchange(self._swapped)
+            self._swapped = []
+        module = self.averaged_module()
+        if self._gathered and module is not None:
+            policy = getattr(trainer.strategy, "policy", None)
+            reshard_module(module, policy.reshard_after_forward if policy is not None else True)
+        self._gathered = False
+        if trainer.state.fn == "validate":
+            self._copy = None
+
+    def _validate_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``mmssl validate``: ``ema`` loads the checkpoint's averaged weights, ``raw`` its raw ones,
+        ``both`` the average into a copy and the raw weights into the module, whichever the
+        strategy loaded; ``ema`` / ``both`` refuse a checkpoint without an average, before any
+        batch (every rank reads the same checkpoint, so all stop together). A folder is read
+        shard by shard under FSDP2."""
+        path = str(trainer.ckpt_path) if trainer.ckpt_path else None
+        folder = path if path and isinstance(trainer.strategy, ModelParallelStrategy) and os.path.isdir(path) else None
+        checkpoint = read_checkpoint(os.path.join(folder, LIGHTNING_META)) if folder else (
+            read_checkpoint(path) if path else {})
+        if not (AVERAGING_STATE in checkpoint if folder else has_averaged_weights(checkpoint)):
             if self.evaluate != "raw":
                 raise ValueError(f"EMA: init_args.evaluate={self.evaluate!r} needs --ckpt_path of a checkpoint "
                                  f"trained with mmssl.callbacks.EMA; {path or 'no checkpoint'}: no averaged "
                                  f"weights (no '{RAW_WEIGHTS}'): set evaluate: raw or drop the callback")
             return
+        strict = pl_module.strict_loading
         if self.evaluate == "both":
-            self._copy = deepcopy(pl_module)
-            self._attach(self._copy, trainer, pl_module)
-        if self.evaluate != "ema":
-            pl_module.load_state_dict(checkpoint[RAW_WEIGHTS])
+            if self._copy is None:
+                self._copy = deepcopy(pl_module)
+                self._attach(self._copy, trainer, pl_module)
+            _load(self._copy, folder, checkpoint.get("state_dict"), strict)
+        if folder:  # the model holds the folder's raw weights (its state_dict)
+            if self.evaluate == "ema":
+                _load(pl_module, folder, None, strict)
+        else:
+            _load(pl_module, None, checkpoint["state_dict" if self.evaluate == "ema" else RAW_WEIGHTS], strict)
 
     @staticmethod
     def _attach(module: pl.LightningModule, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -205,7 +279,7 @@ class EMA(WeightAveraging):
     # ---- validation ----------------------------------------------------------------------------
 
     def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.evaluate == "ema":
+        if self.evaluate == "ema" and not isinstance(trainer.strategy, ModelParallelStrategy):
             super().on_validation_epoch_start(trainer, pl_module)  # swap the average in
         module = self.averaged_module()
         if self.evaluate == "both" and module is not None and not trainer.sanity_checking:
@@ -222,7 +296,8 @@ class EMA(WeightAveraging):
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.evaluate == "ema":
-            super().on_validation_epoch_end(trainer, pl_module)  # swap the raw weights back
+            if not isinstance(trainer.strategy, ModelParallelStrategy):
+                super().on_validation_epoch_end(trainer, pl_module)  # swap the raw weights back
             return
         module = self.averaged_module()
         if self.evaluate != "both" or module is None or trainer.sanity_checking:
@@ -234,15 +309,143 @@ class EMA(WeightAveraging):
             if callback is not self and callable(getattr(callback, "evaluate", None)):
                 callback.on_validation_epoch_end(trainer, module)
 
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn == "validate":
-            self._copy = None
+    # ---- checkpoints -----------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """WeightAveraging's layout. Under FSDP2 the average's entries are DTensors, written to the
+        checkpoint folder shard by shard beside the raw weights; a full-state file
+        (``save_distributed_checkpoint: false``) gets them whole, gathered as the raw ones are."""
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        average = weight_averaging_model(self)
+        if average is None or not isinstance(trainer.strategy, ModelParallelStrategy) or \
+                getattr(trainer.strategy, "sharded_checkpoints", True):
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        checkpoint["state_dict"] = get_model_state_dict(
+            average.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        """Restore the average (the model holds the raw weights by now, see
+        :func:`mmssl.checkpoints.sharded.raw_first`): from the checkpoint's averaged weights, or
+        a folder's shards (resharded to this run's ranks), with the update count.
+
+        A LoRA checkpoint's average holds the adapters only (the LoRA hook keeps what trains):
+        the frozen base and the buffers it lacks are the raw weights' (the average of a frozen
+        tensor is that tensor), never a missing-keys error. Anything else missing, or an unknown
+        key, is refused naming the checkpoint.
+        """
+        average = weight_averaging_model(self)
+        if average is None:
+            super().on_load_checkpoint(trainer, pl_module, checkpoint)  # Lightning's warning outside fit
+            return
+        path = trainer.ckpt_path
+        folder = checkpoint_folder(checkpoint)
+        if AVERAGED_WEIGHTS in checkpoint:  # a file, laid out by raw_first
+            averaged = checkpoint[AVERAGED_WEIGHTS]
+        elif has_averaged_weights(checkpoint):  # WeightAveraging's layout (a CheckpointIO of the config's own)
+            averaged = checkpoint["state_dict"]
+            _load(pl_module, None, checkpoint[RAW_WEIGHTS], pl_module.strict_loading)
+        elif folder is not None and AVERAGING_STATE in checkpoint:
+            averaged = None  # in the folder, loaded shard by shard
+        elif AVERAGING_STATE in checkpoint:
+            raise ValueError(f"EMA: {path} holds an EMA ('{AVERAGING_STATE}'), but its averaged weights were not "
+                             "read (a sharded checkpoint folder consolidated without them): resume it under FSDP2, "
+                             "or read it with a reader that keeps its 'averaged_state_dict'")
+        else:
+            rank_zero_warn(f"EMA: {path} was not written with an EMA: the average starts from its weights")
+            with torch.no_grad():
+                for a, c in _pairs(average.module, pl_module):
+                    _local(a).copy_(_local(c))
+            return
+        _load(average.module, folder, averaged, strict=pl_module.strict_loading, fill_from=pl_module,
+              where=str(path))
+        average.n_averaged.copy_(checkpoint[AVERAGING_STATE]["n_averaged"])
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning's WeightAveraging ends ``fit`` with the averaged weights in the module; with
         # ``raw`` / ``both`` the module keeps the weights it trained (both are in the checkpoint).
-        if self.evaluate == "ema":
+        if self.evaluate != "ema":
+            return
+        average = weight_averaging_model(self)
+        if not isinstance(trainer.strategy, ModelParallelStrategy) or average is None:
             super().on_train_end(trainer, pl_module)
+            return
+        # FSDP2: shard by shard, the model resharded first (its root may hold gathered parameters
+        # after the last step).
+        reshard_module(pl_module, getattr(getattr(trainer.strategy, "policy", None), "reshard_after_forward", True))
+        with torch.no_grad():
+            for a, c in _pairs(average.module, pl_module):
+                _local(c).copy_(_local(a))
+
+
+def _copy(module: pl.LightningModule) -> pl.LightningModule:
+    """A deep copy of ``module`` for the average, sharing its device mesh (process groups are not
+    copied) and its callables that are no modules (LightningCLI's optimizer and scheduler
+    factories hold locks; the copy never builds an optimizer)."""
+    shared: dict[int, Any] = {}
+    mesh = module.device_mesh
+    if mesh is not None:
+        shared[id(mesh)] = mesh
+    for sub in module.modules():
+        for value in vars(sub).values():
+            if callable(value) and not isinstance(value, (nn.Module, Tensor)):
+                shared[id(value)] = value
+    return deepcopy(module, shared)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The local shard of an FSDP2 DTensor (a view: writing it writes the parameter), else ``tensor``."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _pairs(average: nn.Module, model: nn.Module) -> list[tuple[Tensor, Tensor]]:
+    """The average's parameters and buffers beside the model's, in the order AveragedModel pairs them."""
+    return list(zip(itertools.chain(average.parameters(), average.buffers()),
+                    itertools.chain(model.parameters(), model.buffers())))
+
+
+@torch.no_grad()
+def _exchange(pairs: list[tuple[Tensor, Tensor]]) -> None:
+    """Swap the values of each pair in place (WeightAveraging's ``_swap_models``), shard by shard."""
+    for a, c in pairs:
+        a, c = _local(a), _local(c)
+        kept = a.clone()
+        a.copy_(c)
+        c.copy_(kept)
+
+
+def _gathers(trainer: pl.Trainer) -> bool:
+    """Whether the FSDP2 strategy gathers the model for evaluation (the average follows it)."""
+    return bool(getattr(trainer.strategy, "gather_for_evaluation", False))
+
+
+def _load(module: nn.Module, folder: Optional[str], state: Optional[dict[str, Tensor]], strict: bool,
+          fill_from: Optional[nn.Module] = None, where: str = "the checkpoint") -> None:
+    """Load weights into ``module``: an averaged-weights entry of the checkpoint folder ``folder``
+    (FSDP2, shard by shard), else ``state`` (whole tensors, scattered into a sharded module).
+
+    ``strict=False`` (a LoRA model's ``strict_loading``) lets ``state`` lack frozen parameters and
+    buffers, taken from ``fill_from`` when given; any other missing or unknown key is refused.
+    """
+    if folder is not None:
+        load_averaged_weights(folder, module)
+        return
+    assert state is not None
+    if is_fsdp2(module):
+        load_full_state(module, state, strict=strict)
+        return
+    result = module.load_state_dict(state, strict=strict)
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad} | {n for n, _ in module.named_buffers()}
+    missing = [k for k in result.missing_keys if k not in frozen]
+    if result.unexpected_keys or missing:
+        raise KeyError(f"EMA: {where}: the averaged weights do not fit the model: missing {missing[:3]}, "
+                       f"unknown {result.unexpected_keys[:3]}")
+    if fill_from is not None and result.missing_keys:
+        own = fill_from.state_dict()
+        module.load_state_dict({k: own[k] for k in result.missing_keys}, strict=False)
 
 
 class _SuffixedLog:

@@ -33,8 +33,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from mmssl.checkpoints.io import AtomicCheckpointIO, atomic_torch_save, fsync_folder
 from mmssl.checkpoints.read import (
+    AVERAGING_STATE,
     LIGHTNING_META,
     RAW_WEIGHTS,
+    has_averaged_weights,
     is_dcp_folder,
     load_dcp,
     read_checkpoint,
@@ -62,6 +64,30 @@ def set_aside_folders(path: Path) -> list[Path]:
     pattern = os.path.join(glob.escape(str(path.parent)), f".{glob.escape(path.name)}.*{OLD}")
     found = [Path(p) for p in glob.glob(pattern)]
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def gather_module(module: torch.nn.Module) -> None:
+    """All-gather every FSDP2 unit of ``module`` and keep it gathered until :func:`reshard_module`:
+    its forwards then run without collectives (an evaluation with uneven shares per rank). Every
+    rank calls it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+
+
+def reshard_module(module: torch.nn.Module, reshard_after_forward: bool) -> None:
+    """Free what :func:`gather_module` gathered; each unit but the root reshards after its forward
+    again when ``reshard_after_forward`` (the root keeps its parameters from forward to backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+            if unit is not module:
+                unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -100,35 +126,21 @@ class FSDP2Strategy(ModelParallelStrategy):
     # state); ``gather_for_evaluation: false`` keeps them sharded and asks for even shares.
 
     def _gather(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
         if self.policy.param_dtype is not None and self._autocast is None:
             # Gathered parameters are in param_dtype, and evaluation code calls named stages
             # (encode_image, forward_features) that FSDP2's input casting, on forward only, never
             # sees: autocast gives their fp32 inputs the parameters' dtype.
             self._autocast = torch.autocast(self.root_device.type, dtype=DTYPES[self.policy.param_dtype])
             self._autocast.__enter__()
-        if not self.gather_for_evaluation or self.model is None:
-            return
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_reshard_after_forward(False, recurse=False)
-                module.unshard()
+        if self.gather_for_evaluation and self.model is not None:
+            gather_module(self.model)
 
     def _reshard(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
         if self._autocast is not None:
             self._autocast.__exit__(None, None, None)
             self._autocast = None
-
-        if not self.gather_for_evaluation or self.model is None:
-            return
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-                if module is not self.model:  # the root keeps its parameters between forward and backward
-                    module.set_reshard_after_forward(self.policy.reshard_after_forward, recurse=False)
+        if self.gather_for_evaluation and self.model is not None:
+            reshard_module(self.model, self.policy.reshard_after_forward)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
@@ -262,12 +274,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         strict = self.lightning_module.strict_loading
         if not is_dcp_folder(path):
-            checkpoint = read_checkpoint(path)
+            checkpoint = raw_first(read_checkpoint(path), path)
             state = _shaped(checkpoint.pop("state_dict"), dict(self.model.named_parameters()))
             set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
             return checkpoint
         read_dcp_metadata(path)  # a named error for a torn or crafted folder, before any state moves
-        meta = read_checkpoint(os.path.join(path, LIGHTNING_META))
+        meta = raw_first(read_checkpoint(os.path.join(path, LIGHTNING_META)), path)
         model_state = {"state_dict": get_model_state_dict(self.model)}
         load_dcp(path, model_state)
         self.model.load_state_dict(model_state["state_dict"], strict=strict)
@@ -335,7 +347,66 @@ class SafeCheckpointIO(AtomicCheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return read_checkpoint(str(path))
+        return raw_first(read_checkpoint(str(path)), str(path))
+
+
+def raw_first(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
+    """A checkpoint with an EMA of the weights (:mod:`mmssl.callbacks.ema`) laid out for a resume:
+    ``state_dict`` the raw weights, which the model is loaded with and training continues from,
+    and the average under :data:`AVERAGED_WEIGHTS` (a folder's stays in the folder), which only
+    ``mmssl.callbacks.EMA`` restores. Says so once (rank 0): without the callback the average is
+    dropped, where Lightning's own loading took the average with the raw weights' optimizer state.
+
+    Args:
+        checkpoint: as read (a file in ``WeightAveraging``'s layout: the average in ``state_dict``,
+            the raw weights in ``current_model_state``; or a folder's ``meta.pt``).
+        path: the checkpoint, named in the warning.
+
+    Returns:
+        ``checkpoint``, changed in place.
+    """
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    if has_averaged_weights(checkpoint):
+        checkpoint[AVERAGED_WEIGHTS] = checkpoint["state_dict"]
+        checkpoint["state_dict"] = checkpoint.pop(RAW_WEIGHTS)
+    elif AVERAGING_STATE not in checkpoint:
+        return checkpoint
+    rank_zero_warn(f"{path} holds the raw weights and an EMA of them: the model is loaded with the raw weights "
+                   f"('{RAW_WEIGHTS}' of a file, 'state_dict' of a folder), which training continues from; the "
+                   "EMA is restored by mmssl.callbacks.EMA when trainer.callbacks has it, and is unused otherwise")
+    return checkpoint
+
+
+def checkpoint_folder(checkpoint: Mapping[str, Any]) -> Optional[str]:
+    """The sharded checkpoint folder :meth:`FSDP2Strategy.load_checkpoint` read ``checkpoint`` from
+    (its tensors stay there until loaded into sharded modules), or ``None`` for a file's."""
+    return checkpoint.get(_FOLDER)
+
+
+def load_averaged_weights(folder: str, module: torch.nn.Module) -> dict[str, Any]:
+    """Load the :data:`AVERAGED_WEIGHTS` of the checkpoint folder ``folder`` into the FSDP2-sharded
+    ``module`` (each rank reads its shards; DCP reshards to this run's number of ranks). Every
+    rank calls it.
+
+    Returns:
+        The state loaded (the module's own tensors), for a caller that checks its keys.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = {AVERAGED_WEIGHTS: get_model_state_dict(module)}
+    load_dcp(folder, state)
+    return state[AVERAGED_WEIGHTS]
+
+
+def load_full_state(module: torch.nn.Module, state: dict[str, Any], strict: bool = True) -> None:
+    """Scatter a whole-tensor state dict (a file checkpoint's) into the FSDP2-sharded ``module``
+    (each rank keeps its shards; 0-d scalars of a DDP file fit the sharded (1,) ones). Every rank
+    calls it, each with the whole state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = _shaped(state, dict(module.named_parameters()))
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def is_sharded_checkpoint(path: str) -> bool:
@@ -343,5 +414,7 @@ def is_sharded_checkpoint(path: str) -> bool:
     return is_dcp_folder(path)
 
 
-__all__ = ["AVERAGED_WEIGHTS", "CheckpointWriteError", "FSDP2Strategy", "SafeCheckpointIO", "is_sharded_checkpoint",
+__all__ = ["AVERAGED_WEIGHTS", "CheckpointWriteError", "FSDP2Strategy", "SafeCheckpointIO", "checkpoint_folder",
+           "gather_module", "is_sharded_checkpoint", "load_averaged_weights",
+           "load_full_state", "raw_first", "reshard_module",
            "set_aside_folders"]

@@ -1,6 +1,7 @@
-"""mmssl.callbacks.EMA: the average against a hand-written EMA, its checkpoint keys, and the one
-reader's choice of raw or averaged weights (tools' ``--ema``). The exact resume, 1 and 2 ranks and
-``evaluate: both`` through the CLI are in tests/test_resume.py."""
+"""mmssl.callbacks.EMA: the average against a hand-written EMA, its checkpoint keys, the one
+reader's choice of raw or averaged weights (tools' ``--ema``), and which weights a resume takes
+(with LoRA, and without the callback). The exact resume, 1 and 2 ranks and ``evaluate: both``
+through the CLI are in tests/test_resume.py; FSDP2 in tests/checkpoints/test_fsdp2_ema.py."""
 
 from __future__ import annotations
 
@@ -24,15 +25,16 @@ TINY_MAE = dict(image_size=32, patch_size=4, embed_dim=32, depth=1, num_heads=2,
                 decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2)
 
 
-@pytest.mark.parametrize("strategy", ["FSDPStrategy", "ModelParallelStrategy"])
-def test_sharded_strategies_are_refused_before_a_copy_is_made(strategy):
+def test_fsdp1_is_refused_before_a_copy_is_made():
+    """FSDP 1 flattens the parameters the average would pair with; FSDP2 is supported (its average
+    is sharded like the weights: tests/checkpoints/test_fsdp2_ema.py)."""
     import types
 
-    from lightning.pytorch import strategies
+    from lightning.pytorch.strategies import FSDPStrategy
 
-    trainer = types.SimpleNamespace(strategy=getattr(strategies, strategy)())
+    trainer = types.SimpleNamespace(strategy=FSDPStrategy())
     ema = EMA()
-    with pytest.raises(ValueError, match=f"EMA: {strategy} shards the weights .* use EMA with DDP or one device"):
+    with pytest.raises(ValueError, match="EMA: FSDPStrategy \\(FSDP 1\\) shards the weights .* use EMA with FSDP2"):
         ema.setup(trainer, MAE(**TINY_MAE), "fit")
     assert ema.averaged_module() is None
 
@@ -225,3 +227,63 @@ def test_validate_of_an_ema_checkpoint_scores_the_weights_evaluate_names(tmp_pat
         else:
             with pytest.raises(ValueError, match=f"evaluate='{evaluate}' needs --ckpt_path .*plain.ckpt: no averaged"):
                 validator.validate(_ValNet(), data, ckpt_path=str(tmp_path / "plain.ckpt"), verbose=False)
+
+
+# ---- resumes through the CLI (one process, in this interpreter) ---------------------------------
+
+def _cli(root: Path, demo, model: list[str], steps: int, *extra: str) -> list[str]:
+    recipe = "clip" if any("model_name" in a for a in model) else "mae"
+    return ["fit", "--config", str(REPO / f"configs/demo/{recipe}.yaml"), *model,
+            f"--data.init_args.demo_dir={demo.root}", "--data.init_args.batch_size=4",
+            "--data.init_args.num_workers=0", f"--trainer.default_root_dir={root}",
+            "--trainer.enable_progress_bar=false", f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=1",
+            "--trainer.callbacks+=tests.helpers.DumpStartParams", f"--trainer.callbacks.folder={root}/params", *extra]
+
+
+EMA_ARGS = ["--trainer.callbacks+=mmssl.callbacks.EMA", "--trainer.callbacks.decay=0.5",
+            "--trainer.callbacks.evaluate=both"]
+MAE_ARGS = [f"--model.init_args.{k}={v}" for k, v in dict(embed_dim=32, depth=1, num_heads=2, decoder_embed_dim=16,
+                                                           decoder_depth=1, decoder_num_heads=2).items()]
+
+
+def test_a_resume_without_the_ema_callback_takes_the_raw_weights_and_says_so(tmp_path, tiny_demo):
+    """#44 item 7: Lightning loads a checkpoint's ``state_dict``, which WeightAveraging fills with
+    the average; a resume without the callback then trained the average with the raw weights'
+    optimizer state, silently. mmssl fit takes the raw weights and warns which it took."""
+    from tests.cli_runs import run_one_process
+
+    run_one_process(_cli(tmp_path, tiny_demo, MAE_ARGS, 2, *EMA_ARGS))
+    [last] = tmp_path.glob("version_0/checkpoints/last.ckpt")
+    saved = torch.load(last, weights_only=True)
+    with pytest.warns(UserWarning, match=r"last.ckpt holds the raw weights and an EMA of them: the model is loaded "
+                                         r"with the raw weights \('current_model_state'"):
+        run_one_process(_cli(tmp_path, tiny_demo, MAE_ARGS, 3, "--ckpt_path", "last"))
+    start = torch.load(tmp_path / "params" / "start_rank0.pt", weights_only=True)
+    raw, averaged = saved["current_model_state"], saved["state_dict"]
+    assert any(not torch.equal(raw[k], averaged[k]) for k in raw)
+    assert all(torch.equal(start[k], raw[k]) for k in raw), "the resume started from the average"
+
+
+def test_a_lora_run_with_an_ema_resumes_with_its_average(tmp_path, tiny_demo, tiny_clip_json):
+    """#44 item 6: the LoRA checkpoint hook keeps the adapters (and what else trains) of the
+    average in ``state_dict``, while the raw weights keep the base; the resume refused the average
+    (missing keys). It resumes with the average's adapters and the base of the raw weights."""
+    from mmssl.models.clip import CLIP
+    from tests.cli_runs import run_one_process
+
+    torch.manual_seed(0)
+    torch.save(CLIP(model_name=tiny_clip_json).model.state_dict(), tmp_path / "base.pth")
+    model = [f"--model.init_args.model_name={tiny_clip_json}", f"--model.init_args.pretrained={tmp_path / 'base.pth'}",
+             "--model.init_args.lora={r: 2}"]
+    dump = ["--trainer.callbacks+=tests.checkpoints.test_fsdp2_ema.DumpEMA",
+            f"--trainer.callbacks.folder={tmp_path}/dump"]
+    run_one_process(_cli(tmp_path, tiny_demo, model, 2, *EMA_ARGS))
+    [last] = tmp_path.glob("version_0/checkpoints/last.ckpt")
+    saved = torch.load(last, weights_only=True)
+    assert len(saved["state_dict"]) < len(saved["current_model_state"])  # the average: what trains only
+    run_one_process(_cli(tmp_path, tiny_demo, model, 3, *EMA_ARGS, *dump, "--ckpt_path", "last"))
+    start = torch.load(tmp_path / "dump" / "start_rank0.pt", weights_only=True)
+    for key, value in saved["state_dict"].items():
+        assert torch.equal(start[f"ema/{key}"], value), key
+    base = [k for k in saved["current_model_state"] if k not in saved["state_dict"]]
+    assert base and all(torch.equal(start[f"ema/{k}"], saved["current_model_state"][k]) for k in base)
