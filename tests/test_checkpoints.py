@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from mmssl.checkpoints import UnsafeCheckpointError, read_checkpoint, read_state_dict
 from mmssl.checkpoints.load import load_lightning
@@ -106,6 +107,7 @@ def run_tool(name: str, args: list[str], monkeypatch) -> int:
 ])
 def test_every_ckpt_tool_refuses(tool, args, evil, tiny_clip_json, tmp_path, monkeypatch, capsys):
     path, marker, name = evil
+    Image.new("RGB", (32, 32)).save(tmp_path / "x.png")  # the image tools check --images before --ckpt
     args = [a.format(tmp=tmp_path, clip_json=tiny_clip_json) for a in args]
     assert run_tool(tool, ["--ckpt", str(path), *args], monkeypatch) == 1  # UnsafeCheckpointError, one line
     err = capsys.readouterr().err
