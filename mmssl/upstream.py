@@ -131,6 +131,25 @@ def set_weight_averaging_model(callback: Any, model: nn.Module) -> None:
     callback._average_model = model
 
 
+def set_averaged_module(average: nn.Module, module: nn.Module) -> None:
+    """Make ``module`` (a copy made by the caller) the module that the ``AveragedModel``
+    ``average`` updates, saves and loads.
+
+    Assumes ``torch.optim.swa_utils.AveragedModel`` keeps its copy as the submodule ``module``
+    that ``update_parameters`` and ``state_dict`` (``module.`` keys) read, and that its
+    constructor does nothing to the copy but ``deepcopy`` and ``to(device)``. No public way passes
+    a ready copy: the constructor deep-copies what it is given, and a LightningModule under FSDP2
+    refers to its device mesh (process groups, which cannot be copied) and LightningCLI's
+    optimizer factories (which hold locks); mmssl's EMA copies those by reference and builds the
+    AveragedModel on ``nn.Identity()``.
+
+    Args:
+        average: an ``AveragedModel``.
+        module: the copy of the model to average into.
+    """
+    average.module = module
+
+
 # torch optimizers --------------------------------------------------------------------------------
 
 

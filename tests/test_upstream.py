@@ -192,6 +192,52 @@ def test_lightning_weight_averaging_hooks_use_the_average_set():
         "Lightning", "WeightAveraging._average_model", "on_save_checkpoint no longer saves its weights as state_dict")
 
 
+def test_an_averaged_model_averages_the_module_set_into_it():
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = nn.Linear(3, 2)
+    average = AveragedModel(nn.Identity(), use_buffers=True, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    copy = nn.Linear(3, 2)
+    upstream.set_averaged_module(average, copy)
+    average.update_parameters(model)  # the first update copies
+    with torch.no_grad():
+        model.weight.add_(2.0)
+    average.update_parameters(model)
+    assert torch.allclose(copy.weight, model.weight - 1.0), _changed(
+        "torch", "AveragedModel.module", "update_parameters no longer averages into the module set there")
+    assert set(average.state_dict()) == {"module.weight", "module.bias", "n_averaged"}, _changed(
+        "torch", "AveragedModel.module", f"its state_dict is {sorted(average.state_dict())}")
+
+
+def test_lightning_runs_callback_validation_hooks_before_the_strategys():
+    """mmssl's EMA under FSDP2 swaps the model's shards with the average's in on_validation_start,
+    before the strategy gathers the model (FSDP2Strategy.on_validation_start), and back in
+    on_validation_end, before the strategy frees the gathered copy."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    calls = []
+
+    class Strategy(SingleDeviceStrategy):
+        def on_validation_start(self) -> None:
+            calls.append("strategy start")
+
+        def on_validation_end(self) -> None:
+            calls.append("strategy end")
+
+    class Record(pl.Callback):
+        def on_validation_start(self, trainer, pl_module) -> None:
+            calls.append("callback start")
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            calls.append("callback end")
+
+    trainer = pl.Trainer(strategy=Strategy(device=torch.device("cpu")), callbacks=[Record()], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
+    trainer.validate(BoringModel(), verbose=False)
+    assert calls == ["callback start", "strategy start", "callback end", "strategy end"], _changed(
+        "Lightning", "_EvaluationLoop hook order", f"validation hooks now run as {calls}")
+
+
 # torch optimizers --------------------------------------------------------------------------------
 
 

@@ -50,7 +50,7 @@ from mmssl.checkpoints.sharded import (
 )
 from mmssl.distributed import is_sharded
 from mmssl.sharding import is_fsdp2
-from mmssl.upstream import set_weight_averaging_model, weight_averaging_model
+from mmssl.upstream import set_averaged_module, set_weight_averaging_model, weight_averaging_model
 
 __all__ = ["EMA", "EVALUATE", "SUFFIX", "ema_decay"]
 
@@ -194,7 +194,7 @@ class EMA(WeightAveraging):
             # factory (both hold locks): the copy is made by _copy and given to it.
             average = AveragedModel(nn.Identity(), device=pl_module.device, use_buffers=True,
                                     multi_avg_fn=self.update_average)
-            average.module = _copy(pl_module).to(pl_module.device)
+            set_averaged_module(average, _copy(pl_module).to(pl_module.device))
             set_weight_averaging_model(self, average)
             self._prepare(average.module, trainer, pl_module)
         elif stage == "validate" and fsdp2 and self.evaluate == "both":
