@@ -283,7 +283,7 @@ def read_lightning(path: str, ema: bool = False) -> dict[str, Any]:
 
 
 def read_model_file(path: str, ema: bool = False, model_class: Optional[str] = None,
-                    kinds: Optional[Collection[str]] = None, where: str = "--ckpt", mmap: bool = False) -> ModelFile:
+                    kinds: Optional[Collection[str]] = None, where: str = "--ckpt") -> ModelFile:
     """Read a model file or folder once, as data, and say what it is.
 
     Args:
@@ -294,7 +294,6 @@ def read_model_file(path: str, ema: bool = False, model_class: Optional[str] = N
         model_class: the class of a Lightning checkpoint, overriding what it records.
         kinds: the kinds the caller builds (names); a Lightning checkpoint of another is refused.
         where: the argument the path came from, named in errors.
-        mmap: map the file's tensors instead of reading them (:func:`read_checkpoint`).
 
     Raises:
         FileNotFoundError: nothing at ``path``.
@@ -310,7 +309,7 @@ def read_model_file(path: str, ema: bool = False, model_class: Optional[str] = N
             raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this {folder} export "
                              "folder holds one set of weights (export the average with tools/export.py --ema)")
         return ModelFile(path, folder, {})
-    checkpoint = read_checkpoint(path, mmap=mmap)
+    checkpoint = read_checkpoint(path)
     if not isinstance(checkpoint.get("state_dict"), dict):  # a bare state dict (or an MAE release)
         if ema:
             raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this file is a state "
