@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from mmssl.checkpoints import read_checkpoint
 from mmssl.data.decode import BadSample, SampleDecoder
 from mmssl.data.reading import Health, read_shards
 from mmssl.data.sources import expand_urls
@@ -40,6 +41,7 @@ from mmssl.data.teacher_embeddings import FORMAT, MANIFEST, shard_identity, side
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.encoders import add_ema_argument
 from mmssl.export.paths import write_folder
+from mmssl.models.lora import LORA_BASE
 from mmssl.models.teacher import Teacher, load_teacher
 from mmssl.tools._common import add_loader_arguments, add_output_json, run
 
@@ -146,13 +148,30 @@ def _body(args: argparse.Namespace) -> None:
     stems = [side_file(args.output, u) for u in urls]
     if len(set(stems)) != len(stems):
         raise ValueError(f"--data {args.data!r}: two shards share a file name, so their side files would collide")
-    teacher = load_teacher(args.ckpt, args.model, args.tokenizer, args.ema)
+    try:
+        teacher = load_teacher(args.ckpt, args.model, args.tokenizer, args.ema)
+    except ValueError:
+        _refuse_lora(args.ckpt)
+        raise
     manifest = write_folder(args.output, lambda folder: _write(teacher, urls, folder, args))
     print(f"teacher_embeddings: {manifest['samples']} samples ({manifest['skipped']} skipped) of {len(urls)} shards "
           f"in {manifest['seconds']} s, {manifest['samples_per_s']} samples/s -> {args.output}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(manifest, f, indent=1)
+
+
+def _refuse_lora(ckpt: str) -> None:
+    """Name the way out for a LoRA checkpoint, which a teacher does not read (its weights are
+    adapters over base files): the teacher loader's own message points at the model name."""
+    try:
+        lora = os.path.isfile(ckpt) and bool(read_checkpoint(ckpt).get(LORA_BASE))
+    except Exception:  # the teacher loader's error stands
+        return
+    if lora:
+        raise ValueError(f"--ckpt {ckpt!r} is a LoRA checkpoint (adapters over a base model), which a teacher does "
+                         f"not read: merge it into a folder with tools/export.py --ckpt {ckpt} --format open_clip_hf "
+                         "--output DIR, and pass --ckpt DIR") from None
 
 
 def _write(teacher: Teacher, urls: list[str], folder: str, args: argparse.Namespace) -> dict[str, Any]:
