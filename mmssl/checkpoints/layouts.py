@@ -55,6 +55,22 @@ def mae_to_timm(state: StateDict) -> StateDict:
     return out
 
 
+def m3ae_to_timm(state: StateDict) -> StateDict:
+    """M3AE image encoder -> timm ``VisionTransformer`` (``num_classes=0, global_pool="token"``).
+
+    M3AE adds a learned image-modality embedding to every patch token (M3AE ``model.py``; the cls
+    token has none): folded into timm's patch position embeddings, so the timm ViT computes what
+    :meth:`mmssl.models.m3ae.M3AE.forward_features` computes on an image alone.
+    """
+    out = mae_to_timm(state)
+    if "image_type" not in state:
+        raise KeyError("no 'image_type' in this checkpoint: is it an M3AE checkpoint?")
+    pos = out["pos_embed"].clone()  # (1, 1+L, D)
+    pos[:, 1:] += state["image_type"].to(pos.dtype)  # (1, 1, D) onto every patch position
+    out["pos_embed"] = pos
+    return out
+
+
 def classifier_to_timm(state: StateDict) -> StateDict:
     """``ImageClassifier`` -> timm ``VisionTransformer`` state dict, head included, for
     ``timm.create_model(model_name, num_classes=N, global_pool=POOL, img_size=S, **model_kwargs)``."""
@@ -164,7 +180,8 @@ _DISTILL = ("teacher", "teacher_embeddings", "distill.teacher", "distill.embeddi
 KINDS: tuple[ModelKind, ...] = (
     ModelKind("MAE", "mmssl.models.mae.MAE", (ENCODER, "decoder."), ("timm",), vit=mae_to_timm, timm=mae_timm_args,
               file_args=("init_encoder",)),
-    ModelKind("M3AE", "mmssl.models.m3ae.M3AE", (ENCODER, "token_embed.", "mm_decoder.")),
+    ModelKind("M3AE", "mmssl.models.m3ae.M3AE", (ENCODER, "token_embed.", "mm_decoder."), ("timm",), vit=m3ae_to_timm,
+              timm=mae_timm_args),
     ModelKind("CLIP", "mmssl.models.clip.CLIP", ("model.logit_scale",), ("open_clip", "open_clip_hf", "hf"),
               vit=clip_timm_trunk, open_clip=clip_to_open_clip,
               file_args=("pretrained", "image_tower_init", *_DISTILL), base_args=("pretrained", "image_tower_init")),

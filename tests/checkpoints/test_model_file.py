@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 
 from mmssl.checkpoints.load import build_module, load_lightning
@@ -87,14 +88,23 @@ def test_init_arguments_follow_kwargs_to_the_parent_class(tmp_path, tiny_coca_js
     torch.testing.assert_close(rebuilt.model.logit_scale, coca.model.logit_scale)
 
 
-def test_an_m3ae_checkpoint_loads_and_is_no_vit_to_fine_tune(tmp_path):
+def test_an_m3ae_checkpoint_loads_and_its_image_encoder_is_a_timm_vit(tmp_path):
     torch.manual_seed(0)
     m3ae = M3AE(**TINY_M3AE).eval()
+    with torch.no_grad():
+        m3ae.image_type.normal_()  # a modality embedding far from 0: folded wrongly, the features differ
     ckpt = _save(m3ae, tmp_path / "m3ae.ckpt")  # no recorded class: the weights say M3AE, not MAE
     loaded = load_lightning(str(ckpt))
     images = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        torch.testing.assert_close(loaded.encode_image(images), m3ae.encode_image(images), rtol=0, atol=0)
-    # Its image tokens carry a modality embedding a timm ViT has not: refused, not half-loaded.
-    with pytest.raises(ValueError, match="m3ae.ckpt: a M3AE checkpoint has no timm ViT"):
-        ImageClassifier(**TINY_VIT, global_pool="token", init_encoder=str(ckpt))
+        want = m3ae.encode_image(images)  # the image alone, modality embedding on its patches
+        torch.testing.assert_close(loaded.encode_image(images), want, rtol=0, atol=0)
+        # The timm export of its encoder (image_type folded into the patch positions) computes the same.
+        kind = read_model_file(str(ckpt)).kind
+        vit = timm.create_model(**{k: v for k, v in kind.timm(m3ae.hparams).items() if k != "architecture"},
+                                model_name=kind.timm(m3ae.hparams)["architecture"], pretrained=False)
+        vit.load_state_dict(kind.vit(m3ae.state_dict()), strict=True)
+        torch.testing.assert_close(vit.eval()(images), want, rtol=1e-5, atol=1e-5)
+        # And it starts a timm fine-tune as an MAE encoder does.
+        classifier = ImageClassifier(**TINY_VIT, global_pool="token", init_encoder=str(ckpt)).eval()
+        torch.testing.assert_close(classifier.model.forward_features(images)[:, 0], want, rtol=1e-5, atol=1e-5)

@@ -91,11 +91,11 @@ def test_validation_masks_follow_the_sample_not_the_batch():
 
 
 def test_its_checkpoints_are_not_taken_for_another_kind():
-    """Not in the table of kinds (checkpoints.layouts.KINDS) yet: its weights must not pass for an
-    MAE's (encoder.* + decoder.*), which would load them into the wrong class."""
+    """Its weights have an MAE's marks (encoder.* + decoder.*-like) too: the table's more specific
+    row (checkpoints.layouts.KINDS) names them M3AE, never MAE, which would load them into the wrong class."""
     from mmssl.checkpoints.layouts import detect_kind
 
-    assert detect_kind(M3AE(**TINY).state_dict()) is None
+    assert detect_kind(M3AE(**TINY).state_dict()).name == "M3AE"
 
 
 def test_fsdp2_units_are_the_encoder_and_decoder_blocks():
