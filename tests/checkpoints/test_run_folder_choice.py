@@ -146,16 +146,18 @@ def test_a_folder_taken_between_the_listing_and_the_mkdir_gives_the_next_free_on
     real_mkdir, calls = os.mkdir, []
 
     def racing_mkdir(path, *args, **kwargs):
-        if not calls:  # another run reserves its folders just before this one's first mkdir
-            for v in taken:
-                real_mkdir(tmp_path / f"version_{v}")
-        calls.append(path)
+        if os.path.dirname(path) == str(tmp_path):  # a run folder, not the root (os.makedirs)
+            if not calls:  # another run reserves its folders just before this one's first mkdir
+                for v in taken:
+                    real_mkdir(tmp_path / f"version_{v}")
+            calls.append(path)
         return real_mkdir(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "mkdir", racing_mkdir)
     assert reserve_folder(str(tmp_path), "77") == (str(tmp_path / f"version_{want}"), want)
     assert (tmp_path / f"version_{want}" / "slurm_job.txt").read_text() == "77\n"
     assert sorted(os.listdir(tmp_path)) == sorted(f"version_{v}" for v in {*existing, *taken, want})
+    assert calls[0] == str(tmp_path / f"version_{taken[0]}")  # the race did happen
 
 
 def test_lightnings_children_inherit_the_whole_plan_through_the_environment(tmp_path, monkeypatch):
