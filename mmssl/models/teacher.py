@@ -38,7 +38,7 @@ from mmssl.checkpoints import UnsafeCheckpointError, read_state_dict
 from mmssl.checkpoints.model_file import HF, LIGHTNING, OPEN_CLIP_HF, STATE_DICT, ModelFile, read_model_file
 from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
 
-KEY = "model.init_args.teacher"
+KEY = "model.init_args.distill.teacher"
 OPEN_CLIP_HF_CONFIG, OPEN_CLIP_HF_WEIGHTS = "open_clip_config.json", "open_clip_model.safetensors"
 HF_CONFIG, HF_WEIGHTS = "config.json", ("model.safetensors", "pytorch_model.bin")
 
@@ -159,7 +159,7 @@ def _open_clip_teacher(path: str, name: str, state: dict, tokenizer_dir: Optiona
     except RuntimeError as err:
         raise ValueError(
             f"{KEY}: the weights of {path} do not fit open_clip model {name!r}: "
-            f"{str(err).splitlines()[0]} (name the right one with model.init_args.teacher_model)"
+            f"{str(err).splitlines()[0]} (name the right one with model.init_args.distill.teacher_model)"
         ) from None
     return Teacher(model, build_tokenizer(name, tokenizer_dir), tokenizer_signature(name, tokenizer_dir), path)
 
@@ -168,7 +168,7 @@ def _lightning_teacher(source: ModelFile, model_name: Optional[str], tokenizer_d
     hparams = source.init_args()  # renamed keys under their new names
     name = model_name or hparams.get("model_name")
     if not name:
-        raise ValueError(f"{KEY}: {source.path} records no model_name: pass model.init_args.teacher_model")
+        raise ValueError(f"{KEY}: {source.path} records no model_name: pass model.init_args.distill.teacher_model")
     return _open_clip_teacher(source.path, resolve_model_name(name), source.open_clip_state(),
                               tokenizer_dir or hparams.get("tokenizer"))
 
@@ -255,7 +255,7 @@ def load_teacher(path: str, model_name: Optional[str] = None, tokenizer_dir: Opt
         raise ValueError(f"{KEY}: {path} is a {source.format} export folder, an image model only; a teacher is a CLIP")
     if model_name is None:
         raise ValueError(f"{KEY}: {path} is a state dict: name its open_clip model or JSON config with "
-                         "model.init_args.teacher_model")
+                         "model.init_args.distill.teacher_model")
     return _open_clip_teacher(path, resolve_model_name(model_name), source.state_dict, tokenizer_dir)
 
 

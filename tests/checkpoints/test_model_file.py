@@ -38,7 +38,7 @@ def test_the_run_config_names_the_class_for_the_teacher_pretrained_and_zero_shot
     # believes the run's record (the weights alone would say CLIP) and refuses, naming the file.
     ckpt = _save(CLIP(tiny_clip_json), tmp_path / "run" / "checkpoints" / "last.ckpt")
     (tmp_path / "run" / "config.yaml").write_text("model:\n  class_path: mmssl.models.mae.MAE\n")
-    with pytest.raises(ValueError, match=f"model.init_args.teacher: {ckpt} is a MAE checkpoint"):
+    with pytest.raises(ValueError, match=f"model.init_args.distill.teacher: {ckpt} is a MAE checkpoint"):
         load_teacher(str(ckpt))
     with pytest.raises(ValueError, match=f"model.zero_shot_head: {ckpt} is a MAE checkpoint"):
         clip_zero_shot_head(str(ckpt), "a,b")

@@ -152,7 +152,7 @@ def test_bad_teacher_files_are_refused_at_start_up_naming_them(tmp_path, teacher
     torch.save(clip_to_open_clip(torch.load(teacher_file)["state_dict"]), bare)
     for path, error in ((tmp_path / "missing.ckpt", FileNotFoundError), (truncated, ValueError),
                         (evil, UnsafeCheckpointError), (bare, ValueError)):
-        with pytest.raises(error, match="model.init_args.teacher") as info:
+        with pytest.raises(error, match="model.init_args.distill.teacher") as info:
             CLIP(student_json, distill={"teacher": str(path)})
         assert str(path) in str(info.value)
     # A teacher whose config tokenises with a Hugging Face tokenizer that is not on disk.
