@@ -28,7 +28,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from mmssl.checkpoints import read_checkpoint
-from mmssl.checkpoints.io import AtomicCheckpointIO
+from mmssl.checkpoints.io import AtomicCheckpointIO, atomic_torch_save
 from mmssl.checkpoints.sharded import SafeCheckpointIO
 from mmssl.cli import MMSSLCLI, main
 from tests.cli_runs import cli_env
@@ -222,3 +222,26 @@ def test_the_cli_installs_the_atomic_checkpoint_io_unless_the_config_names_one(t
 
     assert type(checkpoint_io()) is SafeCheckpointIO  # atomic saves, loads through the one reader
     assert type(checkpoint_io("--trainer.plugins=lightning.pytorch.plugins.io.TorchCheckpointIO")) is TorchCheckpointIO
+
+
+@pytest.mark.parametrize("when", [1, 2, 3])
+def test_a_full_disk_at_any_write_names_the_checkpoint(tmp_path, when):
+    """Writes from the ``when``-th on fail with ENOSPC: at the second, torch.save's own error
+    ("unexpected pos ...") named neither the file nor the cause."""
+    _strace()
+    target, report = tmp_path / "last.ckpt", tmp_path / "report.txt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 1}, str(target))
+
+    def save() -> None:
+        try:
+            atomic_torch_save({"global_step": 2, "w": torch.ones(300_000), "v": torch.ones(10)}, str(target))
+            said = "saved"
+        except Exception as err:
+            said = f"{type(err).__name__}: {err}"
+        fd = os.open(report, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.pwrite(fd, said.encode(), 0)  # pwrite64: not among the failing writes
+        os.close(fd)
+
+    assert _fork_under_strace(["-e", "trace=write", "-e", f"inject=write:error=ENOSPC:when={when}+"], save) == 0
+    assert report.read_text().startswith(f"OSError: [Errno 28] could not write checkpoint {target} (No space left")
+    assert read_checkpoint(str(target))["global_step"] == 1

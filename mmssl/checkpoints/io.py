@@ -71,6 +71,25 @@ def fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
+class _WriteRecorder:
+    """A binary file that keeps the ``OSError`` of its first failed write: ``torch.save`` reports
+    one as a ``RuntimeError`` without the errno ("unexpected pos ...") when nothing is left for
+    the file's close to fail on."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def atomic_torch_save(obj: Any, path: str) -> None:
     """``torch.save(obj, path)`` so that ``path`` is at every moment the old file or the new one, whole.
 
@@ -86,21 +105,24 @@ def atomic_torch_save(obj: Any, path: str) -> None:
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     temp = _temp_name(path)
+    recorder = None
     try:
         # os.open with 0o666 (not mkstemp's 0o600): the file gets the umask's permissions, as
         # a plain open() would give it, so a group sharing the run folder can read it.
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         with os.fdopen(fd, "wb") as file:
-            torch.save(obj, file)
+            recorder = _WriteRecorder(file)
+            torch.save(obj, recorder)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, path)
-    except BaseException as err:
+    except BaseException as raised:
         with contextlib.suppress(OSError):
             os.unlink(temp)
+        err = recorder.error if recorder is not None and recorder.error is not None else raised
         if isinstance(err, OSError) and err.errno is not None:
             raise OSError(err.errno, f"could not write checkpoint {path} ({os.strerror(err.errno)}); "
-                          "the previous file there, if any, is unchanged") from err
+                          "the previous file there, if any, is unchanged") from raised
         raise
     fsync_folder(folder)
     _remove_stale_temps(path)
