@@ -20,7 +20,8 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from mmssl.checkpoints.layouts import StateDict, fit_vit_state, vit_weights
-from mmssl.checkpoints.read import checkpoint_exists, read_state_dict
+from mmssl.checkpoints.model_file import read_vit_state
+from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.models.masking import Masking, gather_tokens, random_masking
 from mmssl.models.memory import run_blocks
 
@@ -261,7 +262,8 @@ def load_encoder(
     if state is None:
         if not checkpoint_exists(path):
             raise FileNotFoundError(f"model.init_encoder: no checkpoint file at {path!r}")
-        state = read_state_dict(path)  # weights only; unwraps "state_dict" / "model", strips "module."
+        # Weights only, its kind from the recorded class or the run's config.yaml before the keys.
+        state = read_vit_state(path, "model.init_encoder")
     grid = tuple(model.patch_embed.grid_size)
     to_load, missing, ignored = fit_vit_state(
         vit_weights(state, path), model.state_dict(), grid, int(getattr(model, "num_prefix_tokens", 1)), path, new_keys)

@@ -108,3 +108,13 @@ def test_an_m3ae_checkpoint_loads_and_its_image_encoder_is_a_timm_vit(tmp_path):
         # And it starts a timm fine-tune as an MAE encoder does.
         classifier = ImageClassifier(**TINY_VIT, global_pool="token", init_encoder=str(ckpt)).eval()
         torch.testing.assert_close(classifier.model.forward_features(images)[:, 0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_init_encoder_believes_the_runs_config_yaml(tmp_path):
+    # An M3AE's weights with no recorded class, in a run whose config.yaml says ImageClassifier: the
+    # encoder is read as the record says (and refused, naming the file), not guessed from the keys.
+    ckpt = _save(M3AE(**TINY_M3AE), tmp_path / "run" / "checkpoints" / "last.ckpt")
+    ImageClassifier(**TINY_VIT, global_pool="token", init_encoder=str(ckpt))  # the keys alone: an M3AE
+    (tmp_path / "run" / "config.yaml").write_text("model:\n  class_path: mmssl.models.classifier.ImageClassifier\n")
+    with pytest.raises(KeyError, match=f"{ckpt}"):
+        ImageClassifier(**TINY_VIT, global_pool="token", init_encoder=str(ckpt))
