@@ -22,6 +22,7 @@ from mmssl.checkpoints.resume import (
     newest_complete,
     plan_run,
     reserve_folder,
+    run_checkpoints,
     slurm_job,
 )
 
@@ -108,8 +109,11 @@ def test_the_reasons_a_file_is_passed_over_name_what_is_wrong_with_it(tmp_path):
 def test_hpc_resumes_only_from_lightnings_slurm_saves(tmp_path):
     run = tmp_path / "version_0"
     hpc = _ckpt(run / "hpc_ckpt_2.ckpt", 2, age=60)
-    _ckpt(run / "checkpoints" / "last.ckpt", 7)  # newer, but not an HPC save
-    plan = plan_run(str(tmp_path), "hpc", env={})
+    last = _ckpt(run / "checkpoints" / "last.ckpt", 7)  # newer, but not an HPC save
+    shared = _ckpt(tmp_path / "shared" / "last.ckpt", 8)  # ModelCheckpoint(dirpath=...)'s, newer still
+    assert sorted(run_checkpoints(str(run))) == sorted([str(hpc), str(last)])  # by default: both kinds
+    assert run_checkpoints(str(run), hpc_only=True) == [str(hpc)]
+    plan = plan_run(str(tmp_path), "hpc", [str(shared.parent)], env={})
     assert (plan.version, plan.ckpt_path, plan.resume_step, plan.continued) == (0, str(hpc), 2, True)
     hpc.unlink()
     with pytest.raises(ValueError, match="--ckpt_path hpc: no complete hpc_ckpt"):
@@ -218,8 +222,11 @@ def test_only_a_restart_of_the_same_job_counts_as_a_requeue(tmp_path):
     # A requeue whose folders hold no complete checkpoint says which folders it looked in.
     (tmp_path / "version_0" / "hpc_ckpt_1.ckpt").write_bytes(b"")
     (tmp_path / "version_7" / "checkpoints" / "last.ckpt").unlink()
+    unknown = plan_run(str(tmp_path), None, env={"SLURM_JOB_ID": "10", "SLURM_RESTART_COUNT": "1"})
+    assert unknown.notes == [f"SLURM job 10 restarted, but no folder of {tmp_path} recorded it with a complete "
+                             "checkpoint: starting at step 0 in a new run folder"]  # it had no folder here
     none = plan_run(str(tmp_path), "hpc", env={"SLURM_JOB_ID": "9", "SLURM_RESTART_COUNT": "1"})
-    assert none.ckpt_path is None and none.version == 8
+    assert none.ckpt_path is None and none.version == 9
     assert none.notes[-1] == (f"SLURM job 9 restarted, but no folder of {tmp_path} recorded it with a complete "
                               "checkpoint: starting at step 0 in a new run folder "
                               "(its folders: version_7, version_2, version_1, version_0)")  # 1, 2: the first starts
@@ -229,10 +236,14 @@ def test_hpc_without_a_complete_save_fails_naming_the_files_passed_over(tmp_path
     torn = tmp_path / "version_0" / "hpc_ckpt_3.ckpt"
     torn.parent.mkdir()
     torn.write_bytes(b"")
+    older = _ckpt(tmp_path / "version_0" / "hpc_ckpt_2.ckpt", 2, age=60)
+    older.write_bytes(b"")
+    _age(older, 60)
     with pytest.raises(ValueError) as err:
         plan_run(str(tmp_path), "hpc", env={})
     assert str(err.value) == (f"--ckpt_path hpc: no complete hpc_ckpt_*.ckpt in any run folder of {tmp_path}; "
-                              f"passed over {torn}: empty (0 bytes): an interrupted write")
+                              f"passed over {torn}: empty (0 bytes): an interrupted write; "
+                              f"passed over {older}: empty (0 bytes): an interrupted write")
     plan = plan_run(str(tmp_path / "fresh"), "last", env={})
     assert plan.notes == [f"--ckpt_path last: no complete checkpoint in any run folder of {tmp_path / 'fresh'}: "
                           "starting at step 0 in a new run folder"]
