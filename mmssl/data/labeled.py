@@ -233,11 +233,26 @@ def read_templates(data: str, path: Optional[str] = None) -> list[str]:
         if path is None or not os.path.isfile(path):
             return list(DEFAULT_TEMPLATES)
     with open(path, encoding="utf-8") as f:
-        templates = [line.strip() for line in f if line.strip()]
-    bad = [t for t in templates if "{c}" not in t]
-    if bad or not templates:
-        raise ValueError(f"{path}: every template needs a '{{c}}' placeholder; bad: {bad[:3]}")
-    return templates
+        lines = [(number, line.strip()) for number, line in enumerate(f, 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"{path}: no templates (one a line, each with a '{{c}}' placeholder for the class name)")
+    for number, template in lines:
+        problem = _template_problem(template)
+        if problem is not None:
+            raise ValueError(f"{path}, line {number}: {template!r} {problem}")
+    return [template for _, template in lines]
+
+
+def _template_problem(template: str) -> Optional[str]:
+    """Why ``template.format(c=name)`` would not give a prompt, or ``None``."""
+    if "{c}" not in template:
+        return "has no '{c}' placeholder for the class name"
+    try:
+        template.format(c="x")
+    except (KeyError, IndexError, ValueError) as err:  # {d}, {0}, an unmatched brace
+        return (f"cannot be filled with a class name alone ({type(err).__name__}: {err}); "
+                "write a literal brace as {{ or }}")
+    return None
 
 
 def _decode_labeled(sample: dict, transform: Callable, image_keys: Sequence[str],

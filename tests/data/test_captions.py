@@ -75,8 +75,17 @@ def test_bad_class_name_and_template_files_are_refused_naming_them(tiny_demo, tm
         class_captions(str(tmp_path / "names.txt"))
     (tmp_path / "names.txt").write_text("cat\ndog\n")
     (tmp_path / "t.txt").write_text("a photo\n")
-    with pytest.raises(ValueError, match="t.txt: every template needs"):
+    with pytest.raises(ValueError, match=r"t.txt, line 1: 'a photo' has no '\{c\}' placeholder"):
         class_captions(str(tmp_path / "names.txt"), str(tmp_path / "t.txt"))
+    # A template format() cannot fill with the class name alone fails here, not at the first prompt.
+    cases = (("a {c}\n\na {c} {d} photo\n", r"line 3: 'a \{c\} \{d\} photo' cannot be filled .*KeyError: 'd'"),
+             ("a {c} in {\n", r"line 1: .* cannot be filled .*ValueError"),
+             ("\n\n", r"t.txt: no templates"))
+    for text, problem in cases:
+        (tmp_path / "t.txt").write_text(text)
+        with pytest.raises(ValueError, match=problem):
+            class_captions(str(tmp_path / "names.txt"), str(tmp_path / "t.txt"))
+    (tmp_path / "t.txt").write_text("a photo")
     with pytest.raises(ValueError, match="caption_templates is set without"):
         _module(tiny_demo, caption_templates=str(tmp_path / "t.txt"))
     # No templates file beside the names: CLIP's 80 ImageNet prompts (FLYP's ImageNet recipe).
