@@ -150,6 +150,26 @@ def set_averaged_module(average: nn.Module, module: nn.Module) -> None:
     average.module = module
 
 
+# torch FSDP2 -------------------------------------------------------------------------------------
+
+
+def fsdp2_lazy_init(module: nn.Module) -> None:
+    """Make the FSDP2-sharded ``module`` the root of its sharded units now, as its first forward would.
+
+    FSDP2 decides its root lazily, at the first forward: a unit whose forward runs first (a
+    callback calling ``encode_text``, which enters an inner block) makes itself a root, and every
+    later forward through ``module`` then fails ("requires running forward through the root module
+    first"). A module that never trains (the EMA's sharded copy, a model in ``mmssl validate``) has
+    had no such forward when evaluation calls its named stages. Assumes ``FSDPModule._get_fsdp_state``
+    and ``FSDPState._lazy_init`` (torch ``distributed/fsdp/_fully_shard``), which the root pre-forward
+    calls and which is a no-op once done; no public API runs it.
+
+    Args:
+        module: the module ``fully_shard`` was applied to last (the root).
+    """
+    module._get_fsdp_state()._lazy_init()
+
+
 # torch optimizers --------------------------------------------------------------------------------
 
 

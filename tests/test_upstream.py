@@ -314,6 +314,36 @@ def test_fsdp_parameter_names():
             torch.distributed.destroy_process_group()
 
 
+def test_fsdp2_lazy_init_makes_the_root_before_an_inner_block_runs_first():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already up")
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded() -> nn.Sequential:
+        model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3)))
+        fully_shard(model[1])
+        fully_shard(model)
+        return model
+
+    x = torch.randn(2, 3)
+    with tempfile.TemporaryDirectory() as root:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(root, 'store')}",
+                                             rank=0, world_size=1)
+        try:
+            with torch.no_grad():
+                plain = sharded()
+                plain[1](x)  # an inner block first: it makes itself a root
+                with pytest.raises(RuntimeError, match="root module first"):
+                    plain(x)
+                model = sharded()
+                upstream.fsdp2_lazy_init(model)
+                model[1](x)
+                assert model(x).shape == (2, 3), _changed(
+                    "torch", "FSDPState._lazy_init", "the root still fails after an inner block ran first")
+        finally:
+            torch.distributed.destroy_process_group()
+
+
 def test_torch_batch_norms_share_the_private_base():
     from timm.layers import BatchNormAct2d
 

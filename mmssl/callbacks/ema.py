@@ -12,14 +12,21 @@ foreach ``lerp`` per device and dtype) over the parameters and the floating-poin
 (``use_buffers=True``, as Lightning's default: BatchNorm statistics are averaged too); integer
 buffers such as ``num_batches_tracked`` are copied, as timm's ``ModelEmaV3`` does, and so are
 non-persistent buffers (constants that checkpoints do not hold, such as open_clip's causal
-attention mask, whose ``-inf`` entries would average to ``nan``). Each rank
+attention mask, whose ``-inf`` entries would average to ``nan``). Under DDP each rank
 updates its own copy from the same (DDP-synchronised) weights, so the copies agree on every rank.
+Under FSDP2 the copy is made before the model is sharded and sharded by the model's own
+``configure_model``: each rank keeps and updates only its shards (the update is elementwise, so
+the numbers are those of whole tensors), and nothing is gathered per step.
 
 Checkpoints follow ``WeightAveraging``'s convention: ``state_dict`` holds the **averaged** weights
-(so Lightning's ``load_from_checkpoint`` and a plain ``mmssl validate`` see them),
-``current_model_state`` the raw ones and ``averaging_state`` the update count. A resume restores
-all three and the step of the last update, so a resumed run averages exactly as an uninterrupted
-one. mmssl's tools read the raw weights unless ``--ema`` (:func:`mmssl.checkpoints.read.lightning_weights`).
+(so Lightning's ``load_from_checkpoint`` sees them),
+``current_model_state`` the raw ones and ``averaging_state`` the update count (an FSDP2 folder:
+``state_dict`` the raw weights, ``averaged_state_dict`` the average, see
+:mod:`mmssl.checkpoints.sharded`). A resume restores all three and the step of the last update, so
+a resumed run averages exactly as an uninterrupted one; the model always resumes from the raw
+weights (:func:`mmssl.checkpoints.sharded.raw_first`), as ``mmssl validate`` without this callback
+does. mmssl's tools read the raw weights unless ``--ema``
+(:func:`mmssl.checkpoints.read.lightning_weights`).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from mmssl.checkpoints.sharded import (
 )
 from mmssl.distributed import is_sharded
 from mmssl.sharding import is_fsdp2
-from mmssl.upstream import set_averaged_module, set_weight_averaging_model, weight_averaging_model
+from mmssl.upstream import fsdp2_lazy_init, set_averaged_module, set_weight_averaging_model, weight_averaging_model
 
 __all__ = ["EMA", "EVALUATE", "SUFFIX", "ema_decay"]
 
@@ -207,6 +214,7 @@ class EMA(WeightAveraging):
         if isinstance(trainer.strategy, ModelParallelStrategy):
             module.trainer = trainer  # its configure_model shards it on the run's device mesh
             module.configure_model()
+            fsdp2_lazy_init(module)  # it never trains: evaluation may enter an inner block first
             pl_module.configure_model()
         persistent = set(module.state_dict())
         self._copied = {b.data_ptr() for name, b in module.named_buffers() if name not in persistent and b.numel()}

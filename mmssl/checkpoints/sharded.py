@@ -43,6 +43,7 @@ from mmssl.checkpoints.read import (
     read_dcp_metadata,
 )
 from mmssl.sharding import DTYPES, ShardingPolicy, check_sharded
+from mmssl.upstream import fsdp2_lazy_init
 
 PARTIAL, OLD = ".partial", ".old"
 # The entry of a checkpoint folder holding an EMA's averaged weights (mmssl.callbacks.EMA), sharded
@@ -72,6 +73,8 @@ def gather_module(module: torch.nn.Module) -> None:
     rank calls it."""
     from torch.distributed.fsdp import FSDPModule
 
+    if isinstance(module, FSDPModule):
+        fsdp2_lazy_init(module)  # the root, before evaluation code enters an inner block first
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             unit.set_reshard_after_forward(False, recurse=False)
