@@ -260,3 +260,13 @@ def test_slurm_jobs_and_ranks_are_read_from_their_launchers_variables(tmp_path):
     rank1 = plan_run(str(tmp_path / "root"), None, env={"RANK": "1"})
     assert (rank1.folder, rank1.version) == (str(tmp_path / "root" / "version_0"), 0)
     assert not (tmp_path / "root").exists()
+
+
+def test_the_plan_reads_this_processs_environment_by_default(tmp_path, monkeypatch):
+    for name in ("RANK", "SLURM_PROCID", "NODE_RANK", "LOCAL_RANK", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
+                 "SLURM_RESTART_COUNT", RUN_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    plan = plan_run(str(tmp_path), None)
+    assert plan.folder == str(tmp_path / "version_0")
+    assert (tmp_path / "version_0" / "slurm_job.txt").read_text() == "42\n"
