@@ -195,3 +195,20 @@ def test_two_processes_log_the_validation_figures_of_one(tmp_path, tiny_demo, mi
     assert expected <= one.keys() and one.keys() == two.keys()
     for key in one:
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-5), key
+
+
+def test_hugging_face_tokenizer_brings_its_own_mask_token_or_is_refused():
+    from types import SimpleNamespace
+
+    from mmssl.models.token_masking import mask_vocabulary
+
+    class Tok(list):  # len() is the vocabulary, as a transformers tokenizer's
+        name_or_path, all_special_ids = "local/bert", [0, 101, 102, 103]
+
+    bert = Tok(range(30522))
+    bert.mask_token_id = 103
+    voc = mask_vocabulary(SimpleNamespace(tokenizer=bert), 30522)
+    assert voc.mask_id == 103 and voc.random_vocab == 30522 and voc.never_masked == (0, 101, 102) and voc.eot_id is None
+    bert.mask_token_id = None
+    with pytest.raises(ValueError, match="'local/bert' has no mask token"):
+        mask_vocabulary(SimpleNamespace(tokenizer=bert), 30522)
