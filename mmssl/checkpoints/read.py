@@ -231,6 +231,13 @@ def read_dcp_folder(path: str) -> dict[str, Any]:
     scalars = set(checkpoint.get(SCALAR_KEYS) or ())
     checkpoint["state_dict"] = {k: v.reshape(()) if k in scalars and v.numel() == 1 else v
                                 for k, v in nested.get("state_dict", {}).items()}
+    # An FSDP2 run's EMA (mmssl.callbacks.EMA): the folder holds the raw weights as state_dict and
+    # the average as AVERAGED_WEIGHTS; consolidated, it takes WeightAveraging's layout of a file.
+    averaged = nested.get(AVERAGED_WEIGHTS)
+    if isinstance(averaged, dict):
+        checkpoint[RAW_WEIGHTS] = checkpoint["state_dict"]
+        checkpoint["state_dict"] = {k: v.reshape(()) if k in scalars and v.numel() == 1 else v
+                                    for k, v in averaged.items()}
     optimizers = sorted((k for k in nested if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [_numbered_optimizer_state(nested[k], scalars) for k in optimizers]
     return checkpoint
@@ -303,6 +310,8 @@ def read_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
 # Lightning's WeightAveraging (mmssl.callbacks.EMA) writes the averaged weights to "state_dict",
 # the raw ones to RAW_WEIGHTS and the AveragedModel's count to AVERAGING_STATE.
 RAW_WEIGHTS, AVERAGING_STATE = "current_model_state", "averaging_state"
+# The entry of a sharded checkpoint folder (an FSDP2 run's) holding the EMA's averaged weights.
+AVERAGED_WEIGHTS = "averaged_state_dict"
 
 
 def has_averaged_weights(checkpoint: dict[str, Any]) -> bool:

@@ -33,6 +33,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from mmssl.checkpoints.io import AtomicCheckpointIO, atomic_torch_save, fsync_folder
 from mmssl.checkpoints.read import (
+    AVERAGED_WEIGHTS,
     AVERAGING_STATE,
     LIGHTNING_META,
     RAW_WEIGHTS,
@@ -46,9 +47,8 @@ from mmssl.sharding import DTYPES, ShardingPolicy, check_sharded
 from mmssl.upstream import fsdp2_lazy_init
 
 PARTIAL, OLD = ".partial", ".old"
-# The entry of a checkpoint folder holding an EMA's averaged weights (mmssl.callbacks.EMA), sharded
-# as the parameters; the folder's ``state_dict`` holds the raw weights.
-AVERAGED_WEIGHTS = "averaged_state_dict"
+# AVERAGED_WEIGHTS (mmssl.checkpoints.read): the folder entry of an EMA's average, sharded as the
+# parameters; the folder's ``state_dict`` holds the raw weights.
 
 
 class CheckpointWriteError(OSError):

@@ -120,8 +120,6 @@ def test_fsdp2_ema_is_the_ddp_average_validated_and_resumed_bit_exactly(ema_runs
     assert average.keys() and all(torch.equal(average[k], fsdp2[f"ema/{k}"]) for k in average)
 
 
-@pytest.mark.xfail(strict=True, reason="mmssl.checkpoints.read.read_dcp_folder keeps only a folder's state_dict and "
-                   "optimizer entries: it must give averaged_state_dict WeightAveraging's file layout")
 def test_the_one_reader_consolidates_a_folder_with_its_average(ema_runs, tmp_path):
     """read_checkpoint(folder) as a file of WeightAveraging's layout: tools read the raw weights,
     ``--ema`` the average (here: the export tool)."""
