@@ -25,6 +25,7 @@ from mmssl.data.transforms import eval_transform
 from mmssl.evaluation import protocols
 from mmssl.evaluation.bootstrap import Figure, bootstrap_draws, draw_counts, percentile_interval
 from mmssl.evaluation.features import frozen_eval, image_features
+from mmssl.evaluation.online import check_labels
 from mmssl.evaluation.suite import SetSpec, Suite
 from mmssl.evaluation.zero_shot import build_zero_shot_classifier
 from mmssl.retrieval import tied_rows
@@ -187,6 +188,8 @@ class Runner:
         test, train = encoded[0], encoded[1] if spec.train else None
         num_classes = len(spec.classnames) if spec.classnames else int(
             max(test.labels.max(), train.labels.max() if train is not None else 0)) + 1
+        for (data, _), split in zip(splits, encoded):  # a class list that misses labels makes every figure wrong
+            check_labels(split.labels, num_classes, data, f"suite set {spec.name!r}", lambda t: t, split.index)
         results = []
         for task in spec.tasks:
             if task.name in ("zero_shot", "retrieval") and not self._needs_text(spec):
