@@ -79,6 +79,12 @@ def test_empty_cases_give_zero_counts_nan_intervals_and_no_division_by_zero():
     # Images without a caption weigh nothing in text retrieval: a draw of only those scores 0, not NaN.
     recall = Ratio(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]))
     assert recall.values(torch.tensor([[0.0, 2.0], [1.0, 1.0]])).tolist() == [0.0, 1.0]
+    # Two runs that share no unit: every figure of nothing is 0 on every draw, never an error.
+    nothing = ClassRecall(torch.zeros(0), torch.zeros(0, dtype=torch.long), 3)
+    assert nothing.values(torch.zeros(4, 0)).tolist() == [0.0] * 4
+    # A mean of one figure is that figure.
+    single = MeanOf([Ratio(torch.tensor([1.0, 0, 1]), torch.ones(3))])
+    assert single.num_units() == 3 and single.point() == pytest.approx(2 / 3)
     # A class absent from a draw leaves the mean over the classes present.
     r = _recall([1, 0, 1], [0, 1, 2])
     assert r.values(torch.tensor([[3.0, 0, 0], [0, 3, 0], [1, 1, 1]])).tolist() == pytest.approx([1.0, 0.0, 2 / 3])
