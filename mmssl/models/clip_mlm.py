@@ -238,7 +238,12 @@ class CLIPMLM(CLIP):
 
     def itm_sums(self, out: dict[str, Tensor], tokens: Tensor, uniforms: Optional[Tensor],
                  gathered: bool) -> tuple[Tensor, Tensor, Tensor]:
-        """ITM (CE sum, hits, count) over this rank's B positives and up to 2B hard negatives.
+        """ITM (CE sum, hits, count): this rank's B positives, the negative image of each caption of
+        any rank whose negative image this rank holds, and the negative caption of each of its images.
+
+        The image tokens stay on their rank (gathering them would move N x (1+P) x W numbers, 20 GB
+        for a ViT-B/16 at a global batch of 32768): captions' embeddings (N, D) and chosen indices
+        (N,) travel instead, and the sum over ranks covers the same 3N pairs as one process.
 
         Args:
             out: ``forward``'s output for (B, ...) images and (B, L) captions.
@@ -247,9 +252,11 @@ class CLIPMLM(CLIP):
             uniforms: (B, 2N) for drawing (text->image, image->text); ``None``: the hardest.
             gathered: negatives from every rank's batch (training) or this rank's alone.
         """
-        image, text, tokens_v = out["image_features"], out["text_features"], out["image_tokens"]
+        image, text, image_tokens = out["image_features"], out["text_features"], out["image_tokens"]
         gather = (lambda x: gather_with_grad(x, same_size=True)) if gathered else (lambda x: x)
-        all_image_tokens, all_text = gather(tokens_v), gather(text)  # (N, 1+P, W), (N, D): with gradients
+        batch = text.shape[0]
+        offset = rank() * batch if gathered else 0  # this rank's first row among the N
+        all_text = gather(text)  # (N, D), gradients back to each caption's rank
         with torch.no_grad():
             all_image, all_captions = gather(image.detach()), gather(tokens)  # (N, D), (N, L)
             valid = (tokens.unsqueeze(1) != all_captions.unsqueeze(0)).any(dim=-1)  # (B, N)
@@ -258,12 +265,15 @@ class CLIPMLM(CLIP):
             u_t2i, u_i2t = (None, None) if uniforms is None else (uniforms[:, :n], uniforms[:, n:])
             neg_image, has_image = pick_negatives(scale * text.detach() @ all_image.T, valid, u_t2i)  # (B,)
             neg_text, has_text = pick_negatives(scale * image.detach() @ all_text.detach().T, valid, u_i2t)
-        query = torch.cat([text, text, all_text[neg_text]])  # (3B, D)
-        keys = torch.cat([tokens_v, all_image_tokens[neg_image], tokens_v])  # (3B, 1+P, W)
-        logits = self.itm_head(query, keys)  # (3B, 2)
-        batch = text.shape[0]
-        labels = torch.cat([torch.ones(batch), torch.zeros(2 * batch)]).to(logits.device, torch.int64)
-        weight = torch.cat([torch.ones_like(has_image), has_image, has_text]).to(logits.dtype)  # (3B,)
+            all_neg_image = gather(torch.where(has_image, neg_image, -1))  # (N,) global index, -1: none
+            held = (all_neg_image >= offset) & (all_neg_image < offset + batch)  # (N,) its image is here
+            captions = held.nonzero().squeeze(1)  # (K,) global indices of those captions
+        query = torch.cat([text, all_text[captions], all_text[neg_text]])  # (B + K + B, D)
+        keys = torch.cat([image_tokens, image_tokens[all_neg_image[captions] - offset], image_tokens])
+        logits = self.itm_head(query, keys)  # (2B + K, 2)
+        held_count = captions.shape[0]
+        labels = torch.cat([torch.ones(batch), torch.zeros(held_count + batch)]).to(logits.device, torch.int64)
+        weight = torch.cat([torch.ones(batch + held_count, device=logits.device), has_text.to(logits.dtype)])
         ce = F.cross_entropy(logits.float(), labels, reduction="none")
         hits = ((logits.argmax(dim=-1) == labels) & (weight > 0)).sum()
         return (ce * weight).sum(), hits, weight.sum()

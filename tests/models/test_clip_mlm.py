@@ -8,6 +8,8 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from mmssl.losses import clip_loss
@@ -212,3 +214,47 @@ def test_hugging_face_tokenizer_brings_its_own_mask_token_or_is_refused():
     bert.mask_token_id = None
     with pytest.raises(ValueError, match="'local/bert' has no mask token"):
         mask_vocabulary(SimpleNamespace(tokenizer=bert), 30522)
+
+
+BATCH8 = [f"a {size} {colour} {shape}" for size in ("small", "big") for colour in ("red", "blue")
+          for shape in ("circle", "square")]
+BATCH8[4:] = [c + " in the top left corner on a plain white background" for c in BATCH8[4:]]  # 2 chosen each
+BATCH8[5] = BATCH8[1]  # a repeated caption on the other rank: never the negative of its twin
+
+
+def _exact_terms(micro_json: str, rows: slice) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Loss terms (mean over ranks) and gradients (mean over ranks, as DDP's) of ``rows`` of the batch."""
+    model = _model(micro_json).train()
+    images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))[rows]
+    terms = model.losses(images, model.tokenizer(BATCH8)[rows])
+    terms["loss"].backward()
+    values = torch.stack([terms[k].detach() for k in ("loss", "contrastive", "mlm", "itm")])
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    if dist.is_initialized():
+        dist.all_reduce(values)
+        values /= dist.get_world_size()
+        for grad in grads.values():
+            dist.all_reduce(grad)
+            grad /= dist.get_world_size()
+    return dict(zip(("loss", "contrastive", "mlm", "itm"), values.tolist())), grads
+
+
+def _exact_worker(local_rank: int, init_file: str, micro_json: str, out_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=local_rank, world_size=2)
+    torch.save(_exact_terms(micro_json, slice(4 * local_rank, 4 * local_rank + 4)), f"{out_file}.{local_rank}")
+    dist.destroy_process_group()
+
+
+def test_two_ranks_train_as_one_process_on_the_concatenated_batch(tmp_path, micro_json):
+    """The gathered negatives (drawn per global sample), the MLM token mean over ranks and the
+    ITM pairs fused where their image lives: loss terms and every gradient equal one process's."""
+    mp.start_processes(_exact_worker, args=(str(tmp_path / "init"), micro_json, str(tmp_path / "out")),
+                       nprocs=2, start_method="fork")
+    one_terms, one_grads = _exact_terms(micro_json, slice(0, 8))
+    for r in range(2):
+        terms, grads = torch.load(tmp_path / f"out.{r}", weights_only=False)
+        for key in one_terms:
+            assert terms[key] == pytest.approx(one_terms[key], rel=1e-5, abs=1e-6), key
+        for name, grad in one_grads.items():
+            assert torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-6), name
