@@ -18,9 +18,12 @@ locking, retrieval validation, optimizer and schedule) with two more losses:
 
 Loss ``contrastive + mlm_weight * mlm + itm_weight * itm`` (ALBEF and FLAVA: 1:1:1). Exact under
 DDP: the MLM token mean divides by every rank's token count (one all-reduce of a count, as CoCa's
-caption loss); the ITM sum is over this rank's 3B rows divided by 3B (the same B on every rank); the
-random draws of both come from per-sample generators seeded by (seed, step, global sample index),
-so they do not depend on the number of ranks or on resuming.
+caption loss); the ITM sum is over the pairs this rank fuses (its B positives, its images' negative
+captions, and the captions of any rank whose negative image it holds: the ranks together fuse one
+process's 3N pairs) divided by 3B (the same B on every rank); the random draws of both come from
+per-sample generators seeded by (seed, step, global sample index), so they do not depend on the
+number of ranks or on resuming (tests/models/test_clip_mlm.py: 2 gloo processes, loss terms and
+gradients).
 """
 
 from __future__ import annotations
