@@ -141,3 +141,15 @@ def test_retrieval_over_more_than_one_block_with_captionless_images():
     assert figures["text_retrieval_recall@5"].point() == pytest.approx(text_r5)
     assert figures["mean_recall@1"].point() == pytest.approx((image_r1 + text_r1) / 2)
     assert 0 < image_r1 < image_r5 < 1 and 0 < text_r1 < text_r5 < 1
+
+
+def test_the_knn_protocols_temperature_decides_between_one_close_and_several_farther_neighbours():
+    """One class-0 neighbour at cosine 0.99 against three class-1 neighbours at 0.9: at lightly's
+    T = 0.1, e^9.9 < 3 e^9 (class 1); at DINO's T = 0.07, e^14.1 > 3 e^12.9 (class 0)."""
+    unit = lambda c: [c, (1 - c * c) ** 0.5, 0.0]  # noqa: E731
+    train = torch.tensor([unit(0.99), unit(0.9), unit(0.9), unit(0.9), [-1.0, 0, 0], [-1.0, 0, 0]])
+    labels = torch.tensor([0, 1, 1, 1, 2, 2])
+    query, truth = torch.tensor([[1.0, 0, 0]]), torch.tensor([0])
+    lightly, _ = protocols.knn(train, labels, query, truth, 3, "lightly")
+    dino, _ = protocols.knn(train, labels, query, truth, 3, "dino")
+    assert lightly["acc1"].point() == 0.0 and dino["acc1"].point() == 1.0
