@@ -39,7 +39,7 @@ from open_clip.transformer import VisionTransformer
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from mmssl.distributed import gather_with_grad, is_distributed, rank, world_size
+from mmssl.distributed import gather_with_grad, is_distributed, is_sharded, rank, world_size
 from mmssl.log_cadence import logging_step
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.clip import CLIP
@@ -167,8 +167,6 @@ class CLIPMLM(CLIP):
             SigLIP's loss). GradCache, distillation, LoRA and padding trimming are refused.
     """
 
-    fsdp_forward_methods = ("losses",)  # the root's parameters are gathered for it as for forward
-
     def __init__(self, model_name: str = "ViT-B-32", mlm_weight: float = 1.0, itm_weight: float = 1.0,
                  mlm_mask_ratio: float = 0.15, mlm_mask_share: float = 0.8, mlm_random_share: float = 0.1,
                  itm_heads: Optional[int] = None, **clip_args: Any) -> None:
@@ -282,6 +280,17 @@ class CLIPMLM(CLIP):
         return (ce * weight).sum(), hits, weight.sum()
 
     # Training ----------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        # A 2-rank FSDP2 run hung in its first backward (one rank all-gathering a unit while the
+        # other reduce-scattered one): the text tower runs twice a step and the ITM pairs differ
+        # per rank. Refused on every rank alike until a sharded test covers it.
+        trainer = attached_trainer(self)
+        if trainer is not None and is_sharded(trainer.strategy):
+            raise ValueError("trainer.strategy: CLIPMLM does not train sharded (FSDP, FSDP2) yet; use DDP "
+                             "(configs/trainer/ddp.yaml, ddp_cpu.yaml)")
+        super().configure_model()
+
 
     def _draws(self, batch: int, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """This rank's (B, L, 3) masking and (B, 2N) negative uniforms of this step."""

@@ -258,3 +258,14 @@ def test_two_ranks_train_as_one_process_on_the_concatenated_batch(tmp_path, micr
             assert terms[key] == pytest.approx(one_terms[key], rel=1e-5, abs=1e-6), key
         for name, grad in one_grads.items():
             assert torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-6), name
+
+
+def test_sharded_strategies_are_refused_naming_the_key(micro_json):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    model = _model(micro_json)
+    model._trainer = SimpleNamespace(strategy=ModelParallelStrategy())
+    with pytest.raises(ValueError, match="trainer.strategy: CLIPMLM does not train sharded"):
+        model.configure_model()
