@@ -15,11 +15,13 @@ from mmssl.evaluation import protocols
 from mmssl.evaluation.knn import knn_scores
 
 
-def _clusters(n: int, seed: int, classes: int = 3, dim: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows near one of ``classes`` orthogonal directions, at varied norms: linearly separable."""
+def _clusters(n: int, seed: int, classes: int = 3, dim: int = 6,
+              noise: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows near one of ``classes`` orthogonal directions, at varied norms: linearly separable at the
+    default ``noise``."""
     g = torch.Generator().manual_seed(seed)
     labels = torch.arange(n) % classes
-    x = torch.eye(dim)[labels] * 3 + 0.3 * torch.randn(n, dim, generator=g)
+    x = torch.eye(dim)[labels] * 3 + noise * torch.randn(n, dim, generator=g)
     return x * torch.rand(n, 1, generator=g).add(0.5), labels
 
 
@@ -57,9 +59,10 @@ def test_clips_probe_searches_on_a_held_out_fifth_then_fits_on_all_training_rows
 
 
 def test_clips_probe_reads_directions_only():
-    """Features are L2-normalised first: rescaling rows (train, val and test) changes nothing."""
-    train, train_y = _clusters(24, 3)
-    test, test_y = _clusters(12, 4)
+    """Features are L2-normalised first: rescaling rows (train, val and test) changes nothing, on
+    overlapping classes where the search's choice and the test predictions depend on the features."""
+    train, train_y = _clusters(24, 3, noise=2.0)
+    test, test_y = _clusters(12, 4, noise=2.0)
     g = torch.Generator().manual_seed(5)
     scale = lambda x: x * torch.rand(x.shape[0], 1, generator=g).mul(100).add(0.01)  # noqa: E731
     opts = {"max_iter": 30, "val_fraction": 0.25}
@@ -67,22 +70,34 @@ def test_clips_probe_reads_directions_only():
     b, sb = protocols.linear_probe(scale(train), train_y, scale(test), test_y, 3, "clip", opts, seed=1)
     assert sa["lambda"] == sb["lambda"] and sa["num_val"] == sb["num_val"] == 6
     assert torch.equal(a["lp_acc1"].numerator, b["lp_acc1"].numerator)
-    val, val_y = _clusters(6, 6)
+    assert 0 < a["lp_acc1"].point() < 1 and 0 < sa["val_acc1"] < 1
+    val, val_y = _clusters(6, 6, noise=2.0)
     c, sc = protocols.linear_probe(train, train_y, test, test_y, 3, "clip", opts, seed=1, val=(val, val_y))
     d, sd = protocols.linear_probe(train, train_y, test, test_y, 3, "clip", opts, seed=1, val=(scale(val), val_y))
     assert sc["lambda"] == sd["lambda"] and sc["val_acc1"] == sd["val_acc1"]
+    assert torch.equal(c["lp_acc1"].numerator, d["lp_acc1"].numerator)
 
 
-def test_clip_benchmarks_probe_reports_its_search_and_recipe():
+def test_clip_benchmarks_probe_reports_its_search_and_recipe(monkeypatch):
     train, train_y = _clusters(20, 7)
     test, test_y = _clusters(10, 8)
     recipe = {"epochs": 2, "lr": 0.1, "batch_size": 8}
+    calls, fit = [], protocols.fit_adamw_cosine
+
+    def spy(x, y, classes, wd, **kwargs):
+        calls.append((int(x.shape[0]), kwargs))
+        return fit(x, y, classes, wd, **kwargs)
+
+    monkeypatch.setattr(protocols, "fit_adamw_cosine", spy)
     figures, settings = protocols.linear_probe(train, train_y, test, test_y, 3, "clip_benchmark",
                                                {"clip_benchmark": recipe}, seed=4)
     assert set(figures) == {"lp_acc1", "lp_mean_per_class_recall"}
     assert settings["weight_decay"] in protocols.CB_WEIGHT_DECAYS and settings["num_val"] == 4
     assert 7 <= settings["weight_decays_tried"] <= 15 and 0 <= settings["val_acc1"] <= 1
     assert settings["normalized"] is True and settings["clip_benchmark"] == {"seed": 4, **recipe}
+    # Every fit, the final one on all 20 rows included, follows the recipe from the protocol's seed.
+    assert calls[-1][0] == 20 and {r for r, _ in calls[:-1]} == {16}
+    assert all(kwargs == {"seed": 4, **recipe} for _, kwargs in calls)
 
 
 def test_maes_probe_fits_the_raw_features_with_its_recipe():
