@@ -25,13 +25,16 @@ def _clusters(n: int, seed: int, classes: int = 3, dim: int = 6,
     return x * torch.rand(n, 1, generator=g).add(0.5), labels
 
 
-def _fits(monkeypatch) -> list[int]:
-    """The number of rows of every ``fit_linear`` call of the probe."""
+def _fits(monkeypatch, calls: list | None = None) -> list[int]:
+    """The number of rows of every ``fit_linear`` call of the probe (and in ``calls``, each call's
+    classes, method and keyword arguments)."""
     rows, fit = [], protocols.fit_linear
 
-    def spy(x, *args, **kwargs):
+    def spy(x, y, classes, method="lbfgs", **kwargs):
         rows.append(int(x.shape[0]))
-        return fit(x, *args, **kwargs)
+        if calls is not None:
+            calls.append((classes, method, kwargs))
+        return fit(x, y, classes, method, **kwargs)
 
     monkeypatch.setattr(protocols, "fit_linear", spy)
     return rows
@@ -40,8 +43,13 @@ def _fits(monkeypatch) -> list[int]:
 def test_clips_probe_searches_on_a_held_out_fifth_then_fits_on_all_training_rows(monkeypatch):
     train, train_y = _clusters(30, 0)
     test, test_y = _clusters(15, 1)
-    rows = _fits(monkeypatch)
+    calls: list = []
+    rows = _fits(monkeypatch, calls)
     figures, settings = protocols.linear_probe(train, train_y, test, test_y, 3, "clip", {"max_iter": 50}, seed=0)
+    # Every fit: 3 classes, L-BFGS at the protocol's iterations and scikit-learn's tolerance; the
+    # final one at the chosen lambda over all its rows.
+    assert all(c[:2] == (3, "lbfgs") and c[2]["max_iter"] == 50 and c[2]["tolerance_grad"] == 1e-4 for c in calls)
+    assert calls[-1][2]["weight_decay"] == pytest.approx(settings["lambda"] / 30)
     assert set(figures) == {"lp_acc1", "lp_mean_per_class_recall"}  # 3 classes: no top-5
     assert figures["lp_acc1"].point() == 1.0 and figures["lp_mean_per_class_recall"].point() == 1.0
     assert settings["num_val"] == 6 and settings["normalized"] is True
@@ -56,6 +64,10 @@ def test_clips_probe_searches_on_a_held_out_fifth_then_fits_on_all_training_rows
                                          val=(val, val_y))
     assert settings["num_val"] == 9 and set(rows[:-1]) == {30} and rows[-1] == 39
     assert settings["weight_decay"] == pytest.approx(settings["lambda"] / 39)
+    # Without max_iter: CLIP's 1000 (appendix A.3), for the search and the final fit.
+    calls.clear()
+    protocols.linear_probe(train, train_y, test, test_y, 3, "clip", {}, seed=0)
+    assert {c[2]["max_iter"] for c in calls} == {1000}
 
 
 def test_clips_probe_reads_directions_only():
