@@ -181,3 +181,20 @@ def test_the_knn_protocols_temperature_decides_between_one_close_and_several_far
     lightly, _ = protocols.knn(train, labels, query, truth, 3, "lightly")
     dino, _ = protocols.knn(train, labels, query, truth, 3, "dino")
     assert lightly["acc1"].point() == 0.0 and dino["acc1"].point() == 1.0
+
+
+def test_the_parametric_search_starts_from_every_16th_point_and_finds_any_single_peak():
+    """CLIP A.3: 7 starting points (10^-6, 10^-4, ..., 10^6), then halving spans of 8, 4, 2, 1
+    around the best: every one of the 97 points is reachable, on any grid size."""
+    for peak in range(97):
+        tried: list[int] = []
+
+        def score(i: int) -> float:
+            assert 0 <= i < 97, i  # never off the grid
+            tried.append(i)
+            return -abs(i - peak)
+
+        assert protocols.parametric_search(score) == peak
+        assert sorted(list(dict.fromkeys(tried))[:7]) == [0, 16, 32, 48, 64, 80, 96]  # scored first
+    for size, peak in ((50, 49), (50, 0), (20, 19)):  # the last point is not a starting point
+        assert protocols.parametric_search(lambda i: -abs(i - peak), size=size) == peak
