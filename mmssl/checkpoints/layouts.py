@@ -175,7 +175,7 @@ class ModelKind:
 # distilled student's projection, which its weights hold.
 _DISTILL = ("teacher", "teacher_embeddings", "distill.teacher", "distill.embeddings")
 
-# The one table of model kinds. A new LightningModule adds its row; tests/test_layouts.py walks the
+# The one table of model kinds. A new LightningModule adds its row; tests/checkpoints/test_layouts.py walks the
 # package and fails for a LightningModule with none.
 KINDS: tuple[ModelKind, ...] = (
     ModelKind("MAE", "mmssl.models.mae.MAE", (ENCODER, "decoder."), ("timm",), vit=mae_to_timm, timm=mae_timm_args,

@@ -1,7 +1,7 @@
 """mmssl.callbacks.EMA: the average against a hand-written EMA, its checkpoint keys, the one
 reader's choice of raw or averaged weights (tools' ``--ema``), and which weights a resume takes
 (with LoRA, and without the callback). The exact resume, 1 and 2 ranks and ``evaluate: both``
-through the CLI are in tests/test_resume.py; FSDP2 in tests/checkpoints/test_fsdp2_ema.py."""
+through the CLI are in tests/checkpoints/test_resume.py; FSDP2 in tests/checkpoints/test_fsdp2_ema.py."""
 
 from __future__ import annotations
 

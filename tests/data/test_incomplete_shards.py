@@ -12,7 +12,7 @@ import pytest
 from mmssl.cli import main
 from mmssl.data.shards import inspect_shards
 from mmssl.data.sources import INCOMPLETE_FILE, expand_urls
-from tests.test_run_folders import tiny_config
+from tests.checkpoints.test_run_folders import tiny_config
 
 
 def _interrupted_copy(tiny_demo, folder: Path) -> Path:

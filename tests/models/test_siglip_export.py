@@ -17,7 +17,7 @@ from timm.models.vision_transformer import _create_vision_transformer
 
 from mmssl.export import EXPORT_FILE_NAMES
 from mmssl.models.clip import CLIP
-from tests.test_export_formats import _export, _export_refused, _perturbed
+from tests.export.test_export_formats import _export, _export_refused, _perturbed
 
 transformers = pytest.importorskip("transformers")
 

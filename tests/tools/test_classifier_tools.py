@@ -16,7 +16,7 @@ from mmssl.checkpoints import read_checkpoint
 from mmssl.cli import main
 from mmssl.evaluation.encoders import load_model
 from mmssl.models import ImageClassifier
-from tests.test_finetune import CONFIGS, TINY, write_labelled
+from tests.models.test_finetune import CONFIGS, TINY, write_labelled
 from tests.tools.test_viz_tools import pngs, run_tool
 
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 import yaml
 
+from tests.checkpoints.test_resume import _assert_same_params, _csv_entries
 from tests.cli_runs import PG_TIMEOUT, REPO, run_mmssl, run_one_process
-from tests.test_finetune import CONFIGS, TINY, write_labelled
-from tests.test_resume import _assert_same_params, _csv_entries
+from tests.models.test_finetune import CONFIGS, TINY, write_labelled
 
 # (ranks, max_steps, checkpoint every): 96 samples in batches of 16 are 6 steps an epoch on one
 # process, 3 on two; each resume is from the first checkpoint, mid epoch 0, so the resumed run
@@ -64,7 +64,7 @@ def one_thread():
 
 
 # One process only: each rank's numpy stream goes through the same RNGState save/restore as its
-# torch stream, which tests/test_resume.py::test_two_process_run_resumes_mid_epoch_exactly checks
+# torch stream, which tests/checkpoints/test_resume.py::test_two_process_run_resumes_mid_epoch_exactly checks
 # on 2 ranks; a 2-rank variant here (PLANS[2], passing) cost ~40 s of the suite's 15 minutes.
 @pytest.mark.parametrize("ranks", [1])
 def test_finetune_with_mixup_cutmix_resumes_exactly(tmp_path, one_thread, ranks):

@@ -2,7 +2,7 @@
 and the cause (exit 1, no traceback), the earlier file or folder there whole, nothing partial beside it.
 
 The fault is real: strace fails every ``write`` of the tool's process with ENOSPC once the tool
-starts (``tests.test_checkpoint_atomic._fork_under_strace``); the tool's stderr line is kept in
+starts (``tests.checkpoints.test_checkpoint_atomic._fork_under_strace``); the tool's stderr line is kept in
 memory and handed back with ``pwrite``, which the injection leaves alone.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_checkpoint_atomic import _fork_under_strace, _strace
+from tests.checkpoints.test_checkpoint_atomic import _fork_under_strace, _strace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FULL = ["-e", "trace=write", "-e", "inject=write:error=ENOSPC"]
 
 

@@ -11,7 +11,7 @@ import yaml
 from mmssl.cli import main
 from mmssl.models.mae import MAE
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SIZES = {  # MAE Table 8 / timm: patch, width, depth, heads
     "vit_base_patch16": (16, 768, 12, 12),
     "vit_large_patch16": (16, 1024, 24, 16),

@@ -3,7 +3,7 @@
 weights and different outputs), and the config it writes states the model's own values.
 
 Each refusal case is a tiny open_clip CLIP with one unrepresentable part, checked through
-:func:`mmssl.export.hf.check_representable` (``tests/test_export_formats.py`` runs the tool's
+:func:`mmssl.export.hf.check_representable` (``tests/export/test_export_formats.py`` runs the tool's
 refusal end to end, and the round trip of the default towers through ``from_pretrained``).
 """
 

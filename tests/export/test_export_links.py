@@ -15,7 +15,7 @@ import torch
 
 from mmssl.export import paths
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _export(*argv: str) -> tuple[int, str]:

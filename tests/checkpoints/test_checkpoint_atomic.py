@@ -31,8 +31,8 @@ from mmssl.checkpoints import read_checkpoint
 from mmssl.checkpoints.io import AtomicCheckpointIO, atomic_torch_save
 from mmssl.checkpoints.sharded import SafeCheckpointIO
 from mmssl.cli import MMSSLCLI, main
+from tests.checkpoints.test_run_folders import loss_steps, tiny_config
 from tests.cli_runs import cli_env
-from tests.test_run_folders import loss_steps, tiny_config
 
 
 def _strace() -> str:

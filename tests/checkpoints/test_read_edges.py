@@ -1,6 +1,6 @@
 """The checkpoint reader's branches each by exact outcome: a .safetensors file, a file that is no
 dict, the refusal naming every offending global, and which weights a Lightning checkpoint with
-and without an EMA hands back (``tests/test_checkpoints.py`` and ``tests/callbacks/test_ema.py``
+and without an EMA hands back (``tests/checkpoints/test_checkpoints.py`` and ``tests/callbacks/test_ema.py``
 cover the files mmssl fit writes)."""
 
 from __future__ import annotations

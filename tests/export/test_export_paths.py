@@ -16,7 +16,7 @@ import torch
 
 from mmssl.models.mae import MAE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY_MAE = dict(image_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, decoder_embed_dim=32,
                 decoder_depth=1, decoder_num_heads=2)
 

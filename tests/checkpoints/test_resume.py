@@ -37,7 +37,7 @@ from mmssl.data.demo import DemoData
 from tests.cli_runs import last_metrics
 from tests.data.shard_helpers import write_shards_with_bad
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MICRO_CLIP = str(REPO / "configs" / "models" / "clip_micro.json")
 
 

@@ -9,7 +9,7 @@ from mmssl.cli import main
 from mmssl.export import export_checkpoint
 from mmssl.models.mae import MAE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_mae_fit_and_export(tmp_path, tiny_demo):

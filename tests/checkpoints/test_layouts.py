@@ -113,7 +113,7 @@ def test_detection_does_not_depend_on_the_order_of_the_rows(checkpoints):
 def test_tools_export_docstring_lists_every_kind_with_its_formats():
     import runpy
 
-    doc = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tools" / "export.py"))["__doc__"]
+    doc = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "export.py"))["__doc__"]
     rows = {line.split()[0]: line for line in doc.splitlines() if line.startswith("    ") and line.split()}
     for kind in KINDS:
         assert kind.name in rows, kind.name

@@ -20,7 +20,7 @@ from mmssl.export import EXPORT_FILE_NAMES
 from mmssl.models.clip import CLIP
 from mmssl.models.mae import MAE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Two blocks per tower (the per-block renaming is exercised), small widths; the token table is
 # fixed at open_clip's 49408 BPE tokens.
 TINY = {"embed_dim": 24,

@@ -9,7 +9,7 @@ import torch
 from mmssl.export import export_checkpoint
 from mmssl.models.mae import MAE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(image_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=4,
             decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=4)
 

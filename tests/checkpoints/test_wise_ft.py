@@ -17,7 +17,7 @@ from mmssl.evaluation.wise_ft import Pair, wise_ft_curve, zero_shot_top1
 from mmssl.models.classifier import ImageClassifier
 from mmssl.models.clip import CLIP
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLIP_PATH = "mmssl.models.clip.CLIP"
 
 

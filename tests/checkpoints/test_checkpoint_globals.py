@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmssl.checkpoints import UnsafeCheckpointError, read_checkpoint
-from tests.test_checkpoints import OpenPayload
+from tests.checkpoints.test_checkpoints import OpenPayload
 
 OPEN = f"{open.__module__}.open"  # io.open: what the payload's __reduce__ pickles
 

@@ -14,7 +14,7 @@ from mmssl.checkpoints import UnsafeCheckpointError, read_checkpoint, read_state
 from mmssl.checkpoints.load import load_lightning
 from mmssl.models.mae import MAE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = dict(image_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=4,
             decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=4)
 
