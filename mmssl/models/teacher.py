@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from mmssl.checkpoints import UnsafeCheckpointError, read_state_dict
 from mmssl.checkpoints.model_file import HF, LIGHTNING, OPEN_CLIP_HF, STATE_DICT, ModelFile, read_model_file
+from mmssl.models.lora import LORA_BASE
 from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
 
 KEY = "model.init_args.distill.teacher"
@@ -165,6 +166,10 @@ def _open_clip_teacher(path: str, name: str, state: dict, tokenizer_dir: Optiona
 
 
 def _lightning_teacher(source: ModelFile, model_name: Optional[str], tokenizer_dir: Optional[str]) -> Teacher:
+    if source.checkpoint.get(LORA_BASE):  # adapters only: the open_clip weights would not fit, naming the wrong cause
+        raise ValueError(f"{KEY}: {source.path} is a LoRA checkpoint (adapters over a base model), which a teacher "
+                         f"does not read: merge it into a folder with tools/export.py --ckpt {source.path} --format "
+                         "open_clip_hf --output DIR, and pass DIR")
     hparams = source.init_args()  # renamed keys under their new names
     name = model_name or hparams.get("model_name")
     if not name:

@@ -43,3 +43,14 @@ def test_a_lora_teacher_is_refused_with_the_export_that_makes_it_one(tmp_path, t
         == (0, "")
     assert _tool("teacher_embeddings", "--ckpt", str(tmp_path / "merged"), *data, "--output",
                  str(tmp_path / "emb"))[0] == 0
+
+
+def test_a_lora_checkpoint_as_an_online_teacher_is_refused_with_the_way_out(tmp_path, tiny_clip_json):
+    torch.save(CLIP(model_name=tiny_clip_json).model.state_dict(), tmp_path / "base.pth")
+    module = CLIP(model_name=tiny_clip_json, pretrained=str(tmp_path / "base.pth"), lora={"r": 2})
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, tmp_path / "lora.ckpt")
+    with pytest.raises(ValueError, match=rf"distill.teacher: {tmp_path / 'lora.ckpt'} is a LoRA checkpoint .*"
+                                         r"--format open_clip_hf --output DIR, and pass DIR"):
+        CLIP(model_name=tiny_clip_json, distill={"teacher": str(tmp_path / "lora.ckpt")})
