@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import csv
+import errno
 import os
 import re
 import sys
@@ -345,6 +346,10 @@ def cli_main(args: Optional[list[str]] = None, sigterm_watchdog: bool = False) -
     )
 
 
+# The errnos of a write that found no room (ENOSPC, EDQUOT) or no write access to the medium (EROFS).
+OUT_OF_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of the ``mmssl`` console script; ``args`` replaces ``sys.argv[1:]`` in tests.
 
@@ -354,6 +359,13 @@ def main(args: Optional[list[str]] = None) -> None:
     args = dispatch(args)
     try:
         cli_main(args, sigterm_watchdog=True)
+    except OSError as err:
+        if err.errno not in OUT_OF_ROOM:
+            raise
+        # A full disk or quota, a read-only mount: the write that failed names its file and says
+        # the previous one is whole (mmssl.checkpoints.io); one line, not a traceback.
+        print(f"mmssl: {err.strerror or err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except RuntimeError as err:
         if re.search(r"timed? ?out|timeout", str(err), re.IGNORECASE):
             # gloo and NCCL word it differently ("Timed out waiting 300000ms", "Application

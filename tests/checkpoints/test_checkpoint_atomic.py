@@ -245,3 +245,21 @@ def test_a_full_disk_at_any_write_names_the_checkpoint(tmp_path, when):
     assert _fork_under_strace(["-e", "trace=write", "-e", f"inject=write:error=ENOSPC:when={when}+"], save) == 0
     assert report.read_text().startswith(f"OSError: [Errno 28] could not write checkpoint {target} (No space left")
     assert read_checkpoint(str(target))["global_step"] == 1
+
+
+def test_mmssl_fit_out_of_room_ends_with_one_line_naming_the_file(monkeypatch, capsys):
+    import mmssl.cli
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "could not write checkpoint runs/version_0/checkpoints/last.ckpt "
+                                    "(No space left on device); the previous file there, if any, is unchanged")
+
+    monkeypatch.setattr(mmssl.cli, "cli_main", full_disk)
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit"])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == ("mmssl: could not write checkpoint runs/version_0/checkpoints/last.ckpt (No "
+                                       "space left on device); the previous file there, if any, is unchanged\n")
+    monkeypatch.setattr(mmssl.cli, "cli_main", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EACCES, "x")))
+    with pytest.raises(PermissionError):  # any other OSError keeps its traceback
+        main(["fit"])
