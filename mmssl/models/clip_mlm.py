@@ -231,6 +231,21 @@ class CLIPMLM(CLIP):
         return bert_masking(tokens, voc.mask_id, voc.random_vocab, ratio, mask_share, random_share,
                             voc.never_masked, padding, noise=noise)
 
+    def predict_masked_tokens(self, images: Tensor, tokens: Tensor, positions: Tensor) -> Tensor:
+        """Logits of one word per caption replaced by the mask token: (B, V) at ``positions``.
+
+        The MLM head reads the text tower alone (FLAVA's unimodal MLM), so ``images`` (B, 3, H, W)
+        do not change the answer; they are taken so that every masked-word model is called alike.
+
+        Args:
+            images: (B, 3, H, W), unused; tokens: (B, L) ids; positions: (B,) the token to mask.
+        """
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        masked = tokens.clone()
+        masked[rows, positions] = self.vocabulary.mask_id
+        states = self.forward_text_tokens(masked)  # (B, L, W)
+        return self.mlm_head(states[rows, positions], self.model.token_embedding.weight)  # (B, V)
+
     def mlm_sums(self, masking: BertMasking) -> tuple[Tensor, Tensor, Tensor]:
         """(CE sum, top-1 hits, count) over the chosen tokens of a corrupted batch."""
         states = self.forward_text_tokens(masking.input_ids)  # (B, L, W)

@@ -79,6 +79,30 @@ def restore(visible: torch.Tensor, mask_token: torch.Tensor, ids_restore: torch.
     return torch.gather(x, 1, ids_restore.unsqueeze(-1).expand(-1, -1, dim))
 
 
+def drop_one_token(padding: torch.Tensor, positions: torch.Tensor) -> TokenMasking:
+    """A :class:`TokenMasking` that removes exactly the token at ``positions`` of each caption.
+
+    Args:
+        padding: (B, T) True at padding (neither kept nor a target).
+        positions: (B,) the token to remove per caption.
+
+    Returns:
+        ``ids_keep`` (B, K) the other real tokens in caption order, ``ids_restore`` (B, T),
+        ``mask`` (B, T) 1 at ``positions`` only, ``keep_valid`` (B, K).
+    """
+    batch = padding.shape[0]
+    target = torch.zeros_like(padding)
+    target[torch.arange(batch, device=padding.device), positions] = True
+    # Kept tokens first in caption order, then the target, then padding (a stable sort of 0/1/2).
+    key = torch.where(padding, 2, target.long())  # (B, T)
+    ids_shuffle = torch.argsort(key, dim=1, stable=True)  # (B, T)
+    ids_restore = torch.argsort(ids_shuffle, dim=1)
+    kept = (key == 0).sum(dim=1)  # (B,)
+    width = int(kept.max())
+    keep_valid = torch.arange(width, device=padding.device).unsqueeze(0) < kept.unsqueeze(1)  # (B, K)
+    return TokenMasking(ids_shuffle[:, :width], ids_restore, target.float(), keep_valid)
+
+
 class M3AEOutput(NamedTuple):
     """One batch's figures: ``loss``, ``image_loss``, ``text_loss`` (mean over the batch's masked
     tokens, 0 if none), and the sums behind the text figures: ``text_ce_sum``, ``text_correct``,
@@ -215,16 +239,21 @@ class M3AE(LightningModule):
             raise ValueError(f"captions of {tokens.shape[1]} tokens exceed model.text_length={self.text_pos.shape[1]}")
         image = self.encoder.embed_patches(images) + self.image_type  # (B, L, D)
         image_masking = random_masking(image, self.image_mask_ratio, generator, image_noise)
-        image = gather_tokens(image, image_masking.ids_keep)  # (B, L_keep, D)
         padding = padding_after_eot(tokens, self.special_ids[1])  # (B, T)
         text_masking = random_token_masking(tokens, self.text_mask_ratio, self.special_ids, padding,
                                             generator, text_noise)
+        return self._encode(image, tokens, image_masking, text_masking), image_masking, text_masking, padding
+
+    def _encode(self, image: torch.Tensor, tokens: torch.Tensor, image_masking: Masking,
+                text_masking: TokenMasking) -> torch.Tensor:
+        """Embedded patches (B, L, D) and (B, T) ids under the two maskings -> (B, 1+L_keep+K, D)."""
+        image = gather_tokens(image, image_masking.ids_keep)  # (B, L_keep, D)
         text = self.token_embed(tokens) + self.text_pos[:, :tokens.shape[1]] + self.text_type  # (B, T, D)
         text = gather_tokens(text, text_masking.ids_keep)  # (B, K, D)
         x = torch.cat([self.encoder.prepend_cls(image), text], dim=1)  # (B, 1+L_keep+K, D)
         seen = torch.ones(x.shape[0], x.shape[1] - text.shape[1], dtype=torch.bool, device=x.device)
         x = self._blocks(self.encoder.blocks, x, torch.cat([seen, text_masking.keep_valid], dim=1))
-        return self.encoder.norm(x), image_masking, text_masking, padding
+        return self.encoder.norm(x)
 
     def forward_decoder(
         self, x: torch.Tensor, image_masking: Masking, text_masking: TokenMasking, padding: torch.Tensor
@@ -268,6 +297,33 @@ class M3AE(LightningModule):
         loss = image_loss + self.text_loss_weight * text_loss
         empty = (~targets.any(dim=1)).sum()
         return M3AEOutput(loss, image_loss, text_loss, ce_sum, correct, count, empty)
+
+    def predict_masked_tokens(self, images: torch.Tensor, tokens: torch.Tensor,
+                              positions: torch.Tensor) -> torch.Tensor:
+        """Logits of one removed token per caption, every image patch and every other token seen.
+
+        M3AE's text masking drops tokens (MAE-style), so "masking a word" removes exactly that one
+        token and lets the decoder's mask token at its place predict it (``text_pred``).
+
+        Args:
+            images: (B, 3, H, W); tokens: (B, T) ids; positions: (B,) index of the token to remove,
+                a real token (not padding).
+
+        Returns:
+            (B, V) logits at ``positions``.
+        """
+        batch = tokens.shape[0]
+        padding = padding_after_eot(tokens, self.special_ids[1])  # (B, T)
+        rows = torch.arange(batch, device=tokens.device)
+        if bool(padding[rows, positions].any()):
+            raise ValueError("positions must name real caption tokens, not padding")
+        image = self.encoder.embed_patches(images) + self.image_type  # (B, L, D)
+        all_patches = torch.arange(image.shape[1], device=images.device).expand(batch, -1)  # (B, L)
+        image_masking = Masking(all_patches, all_patches, torch.zeros(batch, image.shape[1], device=images.device))
+        text_masking = drop_one_token(padding, positions)
+        x = self._encode(image, tokens, image_masking, text_masking)
+        _, text_states = self.forward_decoder(x, image_masking, text_masking, padding)  # (B, T, D_dec)
+        return self.text_pred(text_states[rows, positions])  # (B, V)
 
     # ---- what callbacks call: the image side, unmasked ---------------------------------------
 
