@@ -15,6 +15,7 @@ from torch import nn
 from mmssl.data.demo import CAPTION_TEMPLATES, COLORS, SHAPES, caption, draw_scene
 from mmssl.data.transforms import IMAGENET_MEAN, IMAGENET_STD, eval_transform
 from mmssl.evaluation.masked_words import attribute_positions, masked_word_accuracy, word_ids
+from mmssl.models.clip_mlm import CLIPMLM
 from mmssl.models.m3ae import M3AE
 from tests.models.test_clip_mlm import _json
 from tests.models.test_m3ae import TINY
@@ -127,8 +128,6 @@ def test_m3ae_predicts_the_dropped_word_from_the_image_and_the_rest_of_the_capti
 
 
 def test_clip_mlm_masks_the_word_and_its_text_head_does_not_see_the_image(tmp_path):
-    from mmssl.models.clip_mlm import CLIPMLM
-
     torch.manual_seed(0)
     model = CLIPMLM(model_name=_json(tmp_path), warmup_steps=0).eval()
     tokens = model.tokenizer(["a small red square", "a blue star on white"])
