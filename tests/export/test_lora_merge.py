@@ -3,6 +3,8 @@ the checkpoint's other entries kept, nothing left that would make a loader look 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -52,3 +54,10 @@ def test_a_lora_checkpoint_becomes_the_merged_model_with_its_other_entries_kept(
     assert merged_checkpoint(path, merged, kind) is merged  # no adapters: returned as it is
     no_base = dict(merged, lora_base=None)
     assert merged_checkpoint(path, no_base, kind) is no_base
+
+    # A base changed since training: the export is refused, naming the checkpoint and the base.
+    changed = torch.load(tmp_path / "base.pth", weights_only=True)
+    changed["logit_scale"] += 1
+    torch.save(changed, tmp_path / "base.pth")
+    with pytest.raises(ValueError, match=f"^{re.escape(path)}: the LoRA base file .*base.pth .*has changed"):
+        merged_checkpoint(path, checkpoint, kind)
