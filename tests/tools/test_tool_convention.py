@@ -36,6 +36,7 @@ CASES = {
     "similarity_map": ["--ckpt", MISSING, "--images", "a.png", "--text", "a", "--output", "out"],
     "teacher_embeddings": ["--ckpt", MISSING, "--data", "a", "--output", "out"],
     "wise_ft": ["--start", MISSING, "--end", MISSING, "--keep", "a", "--export-alpha", "0.5", "--output", "out.pth"],
+    "masked_words": ["--ckpt", MISSING, "--data", "a"],
     "zero_shot": ["--ckpt", MISSING, "--data", "a"],
 }
 
