@@ -55,6 +55,10 @@ def test_sampling_runs_open_clips_generate_with_the_callers_ids_and_parameters(t
         nucleus = generate(coca.model, images, "top_p", sot, eos, pad, top_p=1e-6, seq_len=8, min_seq_len=3,
                            max_seq_len=context)
     assert _rows_to_end(nucleus, eos, pad) == _rows_to_end(greedy, eos, pad)
+    with torch.no_grad():  # the start token is the caller's too
+        other = generate(coca.model, images, "top_k", 100, eos, pad, top_k=1, seq_len=8, min_seq_len=3,
+                         max_seq_len=context)
+    assert (other[:, 0] == 100).all()
 
 
 def test_an_unknown_generation_type_is_refused_naming_the_types():

@@ -38,15 +38,20 @@ def test_given_noise_each_chosen_token_is_masked_randomised_or_kept_by_its_draw(
 
     # The shares' ends: a draw at mask_share is randomised, not masked; at mask_share + random_share kept.
     edge = noise.clone()
-    edge[0, :, 1] = torch.tensor([0.0, 0.0, 0.5, 0.2, 0.5, 0.0, 0.0, 0.0])
+    edge[0, :, 1] = torch.tensor([0.0, 0.0, 0.5, 0.25, 0.5, 0.0, 0.0, 0.0])  # exact in float32
     edge[0, 2:5, 2] = torch.tensor([0.5, 0.4, 0.5])
-    out = bert_masking(tokens, MASK, VOCAB, ratio=0.6, mask_share=0.2, random_share=0.3, never_masked=(SOT, EOT),
+    out = bert_masking(tokens, MASK, VOCAB, ratio=0.6, mask_share=0.25, random_share=0.25, never_masked=(SOT, EOT),
                        padding=padding, noise=edge)
     assert out.input_ids.tolist() == [[SOT, 11, 12, 40, 14, 15, EOT, 0]]  # 13 randomised, 12 and 14 kept
-    edge[0, :, 1] = torch.tensor([0.0, 0.0, 0.49, 0.19, 0.2, 0.0, 0.0, 0.0])
-    out = bert_masking(tokens, MASK, VOCAB, ratio=0.6, mask_share=0.2, random_share=0.3, never_masked=(SOT, EOT),
+    edge[0, :, 1] = torch.tensor([0.0, 0.0, 0.49, 0.24, 0.25, 0.0, 0.0, 0.0])
+    out = bert_masking(tokens, MASK, VOCAB, ratio=0.6, mask_share=0.25, random_share=0.25, never_masked=(SOT, EOT),
                        padding=padding, noise=edge)
     assert out.input_ids.tolist() == [[SOT, 11, 50, MASK, 50, 15, EOT, 0]]
+
+    edge[0, :, 1] = 0.5  # with no random share, a draw at mask_share keeps its token
+    out = bert_masking(tokens, MASK, VOCAB, ratio=0.6, mask_share=0.5, random_share=0.0, never_masked=(SOT, EOT),
+                       padding=padding, noise=edge)
+    assert out.input_ids.tolist() == tokens.tolist() and out.selected.sum() == 3
 
     with pytest.raises(ValueError) as refused:
         bert_masking(tokens, MASK, VOCAB, noise=noise[..., :2])
@@ -123,3 +128,33 @@ def test_open_clips_bpe_gets_a_mask_token_one_past_its_vocabulary():
         mask_vocabulary(bpe, 49408, key="model.init_args.text")
     assert str(refused.value) == ("model.init_args.text: text_cfg.vocab_size is 49408, but the mask token has id "
                                   "49408: set text_cfg.vocab_size to 49409 (one embedding row for it)")
+
+
+def test_a_generator_gives_the_masks_of_its_own_draws_whatever_the_global_rng():
+    tokens = torch.randint(10, VOCAB, (4, 12), generator=torch.Generator().manual_seed(0))
+    tokens[:, 0], tokens[:, -1] = SOT, EOT
+    torch.manual_seed(5)
+    bert = bert_masking(tokens, MASK, VOCAB, 0.5, never_masked=(SOT, EOT), generator=torch.Generator().manual_seed(1))
+    drop = random_token_masking(tokens, 0.5, (SOT, EOT), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(6)  # another global state: the same masks
+    noise3 = torch.rand((4, 12, 3), generator=torch.Generator().manual_seed(1))
+    noise = torch.rand((4, 12), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(bert.input_ids, bert_masking(tokens, MASK, VOCAB, 0.5, never_masked=(SOT, EOT),
+                                                    noise=noise3).input_ids)
+    assert torch.equal(drop.mask, random_token_masking(tokens, 0.5, (SOT, EOT), noise=noise).mask)
+
+
+def test_hugging_face_tokenizers_are_told_by_their_special_ids_and_named_when_refused():
+    class Tok(list):  # a transformers tokenizer without name_or_path or mask_token_id
+        all_special_ids = [0, 101, 102]
+
+    with pytest.raises(ValueError) as refused:
+        mask_vocabulary(SimpleNamespace(tokenizer=Tok(range(200))), 200)
+    assert str(refused.value) == (
+        "model.init_args.model_name: the tokenizer 'Tok' has no mask token, so masked language modelling cannot "
+        "mark the chosen tokens; use one that has (BERT's [MASK]) or open_clip's BPE")
+    # A BPE-like tokenizer with some other `tokenizer` attribute is read as open_clip's BPE.
+    bpe = SimpleNamespace(tokenizer=object(), vocab_size=300, sot_token_id=298, eot_token_id=299)
+    assert mask_vocabulary(bpe, 301) == (300, 300, (298, 299), 299)
+    with pytest.raises(ValueError, match="^model.init_args.model_name: text_cfg.vocab_size is 300"):
+        mask_vocabulary(bpe, 300)
