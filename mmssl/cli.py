@@ -128,8 +128,14 @@ class MMSSLCLI(LightningCLI):
         if args is None or isinstance(args, (list, tuple)):
             # Saved config.yaml files and command lines of earlier runs, keys renamed since (mmssl.renames).
             renames = model_renames(kind.class_path for kind in KINDS)
-            args = list(sys.argv[1:] if args is None else args)
-            args = upgrade_command_line(args, renames, _read_yaml, yaml.safe_dump)
+            given = list(sys.argv[1:] if args is None else args)
+            upgraded = upgrade_command_line(given, renames, _read_yaml, yaml.safe_dump)
+            if args is None:
+                # LightningCLI reads sys.argv itself (and warns when given both); the ranks it starts
+                # read it too, so they parse the same upgraded command line.
+                sys.argv[1:] = upgraded
+            else:
+                args = upgraded
         super().parse_arguments(parser, args)
         # LightningCLI then reads the checkpoint's hyper-parameters with a bare torch.load: a
         # truncated, empty or code-bearing file would fail there with miniz's, pickle's or EOF's
