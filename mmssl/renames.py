@@ -162,7 +162,7 @@ def upgrade_command_line(args: list[str], renames_for_models: Mapping[str, str],
             if config is not None:
                 config, moved = upgrade_config(config, value, renames_for_models)
                 if moved:
-                    moves.extend(f"{value}: {m}" for m in moved)
+                    warn_moves(moved, value)
                     value = dump_yaml(config)
             arg = value if config_next else f"--config={value}"
             config_next = False
