@@ -71,10 +71,10 @@ def fsync_folder(folder: str) -> None:
         os.close(fd)
 
 
-class _WriteRecorder:
+class WriteRecorder:
     """A binary file that keeps the ``OSError`` of its first failed write: ``torch.save`` reports
-    one as a ``RuntimeError`` without the errno ("unexpected pos ...") when nothing is left for
-    the file's close to fail on."""
+    one as a ``RuntimeError`` without the errno ("unexpected pos ...", "file write failed") when
+    nothing is left for the file's close to fail on. Checkpoint saves and exports both wrap theirs."""
 
     def __init__(self, file: Any) -> None:
         self.file, self.error = file, None
@@ -111,7 +111,7 @@ def atomic_torch_save(obj: Any, path: str) -> None:
         # a plain open() would give it, so a group sharing the run folder can read it.
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         with os.fdopen(fd, "wb") as file:
-            recorder = _WriteRecorder(file)
+            recorder = WriteRecorder(file)
             torch.save(obj, recorder)
             file.flush()
             os.fsync(file.fileno())

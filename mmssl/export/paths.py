@@ -17,9 +17,11 @@ import re
 import shutil
 import sys
 import tempfile
-from typing import IO, Callable, Optional
+from typing import Callable, Optional
 
 import torch
+
+from mmssl.checkpoints.io import WriteRecorder
 
 StateDict = dict[str, torch.Tensor]
 
@@ -99,24 +101,6 @@ def _umask_mode(path: str, folder: bool) -> None:
 WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 
 
-class _RecordingFile:
-    """A binary file that remembers the ``OSError`` of a failed write: ``torch.save`` turns it into
-    a ``RuntimeError`` without the errno ("unexpected pos", "file write failed")."""
-
-    def __init__(self, file: IO[bytes]) -> None:
-        self.file, self.error = file, None
-
-    def write(self, data) -> int:
-        try:
-            return self.file.write(data)
-        except OSError as err:
-            self.error = self.error or err
-            raise
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
 def _write_errno(err: BaseException) -> Optional[int]:
     """The errno of a refused write in ``err`` or its causes, if one of :data:`WRITE_ERRNOS`
     (safetensors' Rust errors carry it only in their text, ``(os error 28)``)."""
@@ -171,7 +155,7 @@ def save_state_file(state: StateDict, output: str) -> None:
             save_file(state, tmp)
         else:
             with os.fdopen(fd, "wb") as file:
-                recorder = _RecordingFile(file)
+                recorder = WriteRecorder(file)
                 torch.save(state, recorder)
         _umask_mode(tmp, folder=False)
         os.replace(tmp, output)
