@@ -84,7 +84,39 @@ def install_sigterm_watchdog(grace_s: float | None = None) -> bool:
                 os._exit(128 + signal.SIGTERM)
 
     threading.Thread(target=watch, name="mmssl-sigterm-watchdog", daemon=True).start()
+    global _FORK_HOOKED
+    if not _FORK_HOOKED:
+        # SIGTERM is held across the fork, so none reaches the child before it has let go.
+        os.register_at_fork(before=_hold_sigterm, after_in_parent=_release_sigterm,
+                            after_in_child=_forget_wakeup_fd)
+        _FORK_HOOKED = True
     return True
+
+
+_FORK_HOOKED = False
+_MASK_BEFORE_FORK: set = set()
+
+
+def _hold_sigterm() -> None:
+    global _MASK_BEFORE_FORK
+    _MASK_BEFORE_FORK = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+def _release_sigterm() -> None:
+    signal.pthread_sigmask(signal.SIG_SETMASK, _MASK_BEFORE_FORK)
+
+
+def _forget_wakeup_fd() -> None:
+    """In a forked child (a data loader worker): stop writing its signals to the parent's pipe.
+
+    A fork keeps the wakeup descriptor and the Python handlers, so a worker that torch's loader
+    ends with SIGTERM (one slow to exit at shutdown) would write SIGTERM into its rank's pipe, and
+    the rank's watchdog would end a healthy run one grace period later."""
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # forked from another thread: that child has no wakeup descriptor to clear
+        pass
+    _release_sigterm()
 
 
 def _exit_now(signum: int, frame: object) -> None:

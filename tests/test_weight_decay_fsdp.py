@@ -98,7 +98,10 @@ def test_decay_groups_are_the_same_after_fsdp_flattening():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")  # torch, timm, open_clip already imported
+    # Spawned, not forked: a fork copies the suite's process mid-run, with whatever threads earlier
+    # tests left in it (a lock one of them held stays held in the child: a hang at the 120 s
+    # timeout, twice in CI); a spawned worker starts clean, at ~5 s of imports.
+    ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(2)]
     for p in procs:
