@@ -24,6 +24,17 @@ process's 3N pairs) divided by 3B (the same B on every rank); the random draws o
 per-sample generators seeded by (seed, step, global sample index), so they do not depend on the
 number of ranks or on resuming (tests/models/test_clip_mlm.py: 2 gloo processes, loss terms and
 gradients).
+
+Under FSDP2 (each transformer block a unit, :mod:`mmssl.sharding`) a training or validation step
+takes every network output from one root ``forward``: the text tower runs once on the clean and
+the corrupted captions together, and the heads are root parameters. FSDP2 keeps the order of unit
+forwards until a backward ends and prefetches by it in that backward; an evaluation run on one
+rank only (uneven held-out shares: the sanity check and validation of the CLI tests give rank 1
+no batch) leaves entries on that rank alone, and the first backward after it prefetches the last
+unit that evaluation ran. When that is the root, gathered from forward to backward, the prefetch
+does nothing; when validation ended in a text block of its own (the corrupted captions' call, as
+it once did), rank 0 all-gathered that block while rank 1 reduce-scattered another, and the run
+hung (tests/checkpoints/test_fsdp2_clip_mlm.py).
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from open_clip.transformer import VisionTransformer
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from mmssl.distributed import gather_with_grad, is_distributed, is_sharded, rank, world_size
+from mmssl.distributed import gather_with_grad, is_distributed, rank, world_size
 from mmssl.log_cadence import logging_step
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.clip import CLIP
@@ -203,16 +214,33 @@ class CLIPMLM(CLIP):
 
     # Named stages ------------------------------------------------------------------------------
 
-    def forward(self, images: Tensor, tokens: Tensor) -> dict[str, Tensor]:
+    def forward(self, images: Tensor, tokens: Tensor, masked_tokens: Optional[Tensor] = None) -> dict[str, Tensor]:
         """CLIP's ``image_features`` (B, D), ``text_features`` (B, D), ``logit_scale`` (and
         ``logit_bias``), plus ``image_tokens`` (B, 1+P, W): the image tower's last block after
-        ``ln_post``, from the same forward (FLIP's masking, in training, drops patches of both)."""
+        ``ln_post``, from the same forward (FLIP's masking, in training, drops patches of both).
+
+        Given ``masked_tokens`` (B, L), the corrupted captions, also ``masked_states`` (B, L, W):
+        their token states after ``ln_final``, from the same text-tower call as the clean captions
+        (one call on the 2B captions; the tower treats each caption alone, so the figures are those
+        of two calls). Training and validation take every network output from this one forward:
+        each FSDP2 unit then runs once per step, and the step's last unit forward is the root's
+        (why that matters: the module docstring)."""
         out = self.model.visual.forward_intermediates(images, indices=1, normalize_intermediates=True,
                                                       output_fmt="NLC", output_extra_tokens=True)
         image_tokens = torch.cat([out["image_intermediates_prefix"][-1], out["image_intermediates"][-1]], dim=1)
         result = {"image_features": F.normalize(out["image_features"], dim=-1),
-                  "text_features": self.encode_text(tokens), "logit_scale": self.model.logit_scale.exp(),
-                  "image_tokens": image_tokens}
+                  "logit_scale": self.model.logit_scale.exp(), "image_tokens": image_tokens}
+        if masked_tokens is None:
+            result["text_features"] = self.encode_text(tokens)
+        else:
+            batch = tokens.shape[0]
+            text = self.model.forward_intermediates(text=torch.cat([tokens, masked_tokens]), text_indices=1,
+                                                    normalize=False)
+            # The pooled features of the corrupted rows (pooled at the mask token's id) are unused.
+            # Normalised here, after the split, so that no output is a view (FSDP2's pre-backward
+            # hook sits on the root's outputs, and warns of views).
+            result["text_features"] = F.normalize(text["text_features"][:batch], dim=-1)  # (B, D)
+            result["masked_states"] = self.model.ln_final(text["text_intermediates"][-1][batch:])  # (B, L, W)
         if self.model.logit_bias is not None:
             result["logit_bias"] = self.model.logit_bias
         return result
@@ -246,9 +274,16 @@ class CLIPMLM(CLIP):
         states = self.forward_text_tokens(masked)  # (B, L, W)
         return self.mlm_head(states[rows, positions], self.model.token_embedding.weight)  # (B, V)
 
-    def mlm_sums(self, masking: BertMasking) -> tuple[Tensor, Tensor, Tensor]:
-        """(CE sum, top-1 hits, count) over the chosen tokens of a corrupted batch."""
-        states = self.forward_text_tokens(masking.input_ids)  # (B, L, W)
+    def mlm_sums(self, masking: BertMasking, states: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(CE sum, top-1 hits, count) over the chosen tokens of a corrupted batch.
+
+        Args:
+            masking: the corrupted (B, L) captions and their targets.
+            states: (B, L, W) the text tower's states of ``masking.input_ids`` (``forward``'s
+                ``masked_states``); ``None``: the tower runs on them here.
+        """
+        if states is None:
+            states = self.forward_text_tokens(masking.input_ids)  # (B, L, W)
         logits = self.mlm_head(states[masking.selected], self.model.token_embedding.weight)  # (M, V)
         return masked_token_ce(logits, masking.labels[masking.selected])
 
@@ -296,17 +331,6 @@ class CLIPMLM(CLIP):
 
     # Training ----------------------------------------------------------------------------------
 
-    def configure_model(self) -> None:
-        # A 2-rank FSDP2 run hung in its first backward (one rank all-gathering a unit while the
-        # other reduce-scattered one): the text tower runs twice a step and the ITM pairs differ
-        # per rank. Refused on every rank alike until a sharded test covers it.
-        trainer = attached_trainer(self)
-        if trainer is not None and is_sharded(trainer.strategy):
-            raise ValueError("trainer.strategy: CLIPMLM does not train sharded (FSDP, FSDP2) yet; use DDP "
-                             "(configs/trainer/ddp.yaml, ddp_cpu.yaml)")
-        super().configure_model()
-
-
     def _draws(self, batch: int, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """This rank's (B, L, 3) masking and (B, 2N) negative uniforms of this step."""
         trainer = attached_trainer(self)
@@ -321,10 +345,10 @@ class CLIPMLM(CLIP):
         concatenated batch (module docstring). Keys: ``contrastive``, ``mlm``, ``itm`` (unweighted),
         ``loss`` (weighted sum), ``mlm_top1``, ``itm_accuracy``, ``captions_without_target``."""
         mlm_noise, neg_noise = self._draws(images.shape[0], tokens.shape[1], images.device)
-        out = self(images, tokens)
-        contrastive = self.contrastive_loss(out)
         masking = self.mask_captions(tokens, mlm_noise)
-        ce_sum, correct, count = self.mlm_sums(masking)
+        out = self(images, tokens, masking.input_ids)
+        contrastive = self.contrastive_loss(out)
+        ce_sum, correct, count = self.mlm_sums(masking, out["masked_states"])
         total = count.detach().clone()
         if is_distributed():
             dist.all_reduce(total)  # every rank's chosen tokens
@@ -356,14 +380,15 @@ class CLIPMLM(CLIP):
         # pixels (masking.sample_noise) and negatives are the hardest of the rank's own batch, so
         # a sample is scored alike whichever rank or batch it lands in.
         images, tokens = batch["image"], batch["text"]
-        out = self(images, tokens)  # eval mode: unmasked images
+        noise = sample_noise(images, 3 * tokens.shape[1], seed=1).view(*tokens.shape, 3)  # (B, L, 3)
+        masking = self.mask_captions(tokens, noise)
+        out = self(images, tokens, masking.input_ids)  # eval mode: unmasked images
         image, text, scale = out["image_features"], out["text_features"], out["logit_scale"]
         if self.loss_name == "siglip":
             contrastive = siglip_loss(image, text, scale, out["logit_bias"])
         else:
             contrastive = clip_loss(image, text, scale)
-        noise = sample_noise(images, 3 * tokens.shape[1], seed=1).view(*tokens.shape, 3)  # (B, L, 3)
-        ce_sum, correct, count = self.mlm_sums(self.mask_captions(tokens, noise))
+        ce_sum, correct, count = self.mlm_sums(masking, out["masked_states"])
         itm_sum, itm_hits, itm_count = self.itm_sums(out, tokens, None, gathered=False)
         mlm, itm = ce_sum / count.clamp_min(1), itm_sum / (3 * images.shape[0])
         self.validation.update(image, text, contrastive + self.mlm_weight * mlm + self.itm_weight * itm)

@@ -260,12 +260,38 @@ def test_two_ranks_train_as_one_process_on_the_concatenated_batch(tmp_path, micr
             assert torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-6), name
 
 
-def test_sharded_strategies_are_refused_naming_the_key(micro_json):
-    from types import SimpleNamespace
-
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    model = _model(micro_json)
-    model._trainer = SimpleNamespace(strategy=ModelParallelStrategy())
-    with pytest.raises(ValueError, match="trainer.strategy: CLIPMLM does not train sharded"):
-        model.configure_model()
+def test_one_text_tower_call_gives_what_two_calls_gave(micro_json):
+    """``losses`` runs the clean and the corrupted captions through one text-tower call (so each
+    FSDP2 unit runs once a step, and the root's forward is the step's last): loss terms and every
+    gradient are those of the clean captions through ``encode_text`` and the corrupted ones
+    through a call of their own."""
+    images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    figures = []
+    for joint in (True, False):
+        model = _model(micro_json, mlm_weight=0.7, itm_weight=0.3).train()
+        tokens = model.tokenizer(CAPTIONS)
+        mlm_noise, neg_noise = model._draws(4, tokens.shape[1], images.device)
+        masking = model.mask_captions(tokens, mlm_noise)
+        if joint:
+            terms = model.losses(images, tokens)
+            with torch.no_grad():
+                out = model(images, tokens, masking.input_ids)
+            assert out["masked_states"].shape == (4, tokens.shape[1], 32)
+        else:  # the two calls, by hand, on the same draws
+            out = model(images, tokens)
+            assert "masked_states" not in out
+            ce_sum, _, count = model.mlm_sums(masking)  # the tower on the corrupted captions alone
+            itm_sum, _, _ = model.itm_sums(out, tokens, neg_noise, gathered=True)
+            contrastive, mlm, itm = model.contrastive_loss(out), ce_sum / count, itm_sum / 12
+            terms = {"loss": contrastive + 0.7 * mlm + 0.3 * itm, "contrastive": contrastive, "mlm": mlm, "itm": itm}
+        terms["loss"].backward()
+        assert set(out) >= {"image_features", "text_features", "logit_scale", "image_tokens"}
+        figures.append(({k: float(terms[k].detach()) for k in ("loss", "contrastive", "mlm", "itm")},
+                        {n: p.grad for n, p in model.named_parameters()}, out["text_features"].detach()))
+    (joint_terms, joint_grads, joint_text), (two_terms, two_grads, two_text) = figures
+    assert joint_terms["mlm"] > 0 and joint_terms["itm"] > 0
+    for key in two_terms:
+        assert joint_terms[key] == pytest.approx(two_terms[key], rel=1e-5, abs=1e-6), key
+    torch.testing.assert_close(joint_text, two_text, rtol=1e-5, atol=1e-6)
+    for name, grad in two_grads.items():
+        torch.testing.assert_close(joint_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
