@@ -170,6 +170,30 @@ def fsdp2_lazy_init(module: nn.Module) -> None:
     module._get_fsdp_state()._lazy_init()
 
 
+def fsdp2_forget_forward_order(module: nn.Module) -> None:
+    """Forget the unit forwards FSDP2 recorded since the last backward, on every unit of ``module``.
+
+    FSDP2 appends each unit's forward to one list, kept until a backward ends, and each unit's
+    backward prefetches (all-gathers) the unit recorded just before its own forward. Forwards run
+    outside training (an evaluation on gathered weights, where ranks run different numbers of
+    batches or rank 0 alone runs a callback's encoder) stay in that list, so the first training
+    backward then prefetches on some ranks a unit that others do not: a collective on one rank only
+    (the CLIP + MLM hang of #47). Called on every rank after each evaluation, so training's
+    backward sees its own forwards only. Assumes ``FSDPModule._get_fsdp_state``,
+    ``FSDPState._fsdp_param_groups`` and ``FSDPParamGroup.comm_ctx.post_forward_order`` /
+    ``_post_forward_indices`` (torch ``distributed/fsdp/_fully_shard/_fsdp_param_group.py``:
+    ``_record_post_forward``, ``_backward_prefetch``), which FSDP2 clears itself only when a
+    backward ends; no public API clears them.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                group.comm_ctx.post_forward_order.clear()
+                group._post_forward_indices.clear()
+
+
 # torch optimizers --------------------------------------------------------------------------------
 
 

@@ -458,3 +458,26 @@ def test_timm_randaugment_ops_apply_aug_fn():
     assert seen == [0] and out.getextrema() == ((0, 0),) * 3, _changed(
         "timm", "AugmentOp.__call__ / PosterizeIncreasing",
         f"at magnitude 10 the op called aug_fn with bits {seen}, not [0], or ignored its result")
+
+
+def test_fsdp2_forget_forward_order_empties_the_record_a_backward_prefetches_by():
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already up")
+    from torch.distributed.fsdp import fully_shard
+
+    with tempfile.TemporaryDirectory() as root:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(root, 'store')}",
+                                             rank=0, world_size=1)
+        try:
+            model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3)))
+            fully_shard(model[1])
+            fully_shard(model)
+            with torch.no_grad():
+                model(torch.randn(2, 3))
+            group = model[1]._get_fsdp_state()._fsdp_param_groups[0]
+            assert len(group.comm_ctx.post_forward_order) == 2, _changed(
+                "torch", "FSDPParamGroup.comm_ctx.post_forward_order", "a no-grad forward no longer records its units")
+            upstream.fsdp2_forget_forward_order(model)
+            assert group.comm_ctx.post_forward_order == [] and group._post_forward_indices == []
+        finally:
+            torch.distributed.destroy_process_group()

@@ -44,7 +44,7 @@ from mmssl.checkpoints.read import (
     read_dcp_metadata,
 )
 from mmssl.sharding import DTYPES, ShardingPolicy, check_sharded
-from mmssl.upstream import fsdp2_lazy_init
+from mmssl.upstream import fsdp2_forget_forward_order, fsdp2_lazy_init
 
 PARTIAL, OLD = ".partial", ".old"
 # AVERAGED_WEIGHTS (mmssl.checkpoints.read): the folder entry of an EMA's average, sharded as the
@@ -83,9 +83,12 @@ def gather_module(module: torch.nn.Module) -> None:
 
 def reshard_module(module: torch.nn.Module, reshard_after_forward: bool) -> None:
     """Free what :func:`gather_module` gathered; each unit but the root reshards after its forward
-    again when ``reshard_after_forward`` (the root keeps its parameters from forward to backward)."""
+    again when ``reshard_after_forward`` (the root keeps its parameters from forward to backward).
+    The evaluation's forwards, which ranks ran in different numbers, are forgotten
+    (:func:`mmssl.upstream.fsdp2_forget_forward_order`). Every rank calls it."""
     from torch.distributed.fsdp import FSDPModule
 
+    fsdp2_forget_forward_order(module)
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()
@@ -144,6 +147,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             self._autocast = None
         if self.gather_for_evaluation and self.model is not None:
             reshard_module(self.model, self.policy.reshard_after_forward)
+        elif self.model is not None:  # sharded evaluation: its forwards are not training's either
+            fsdp2_forget_forward_order(self.model)
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
