@@ -1,0 +1,77 @@
+"""The edges of mmssl.models.teacher that tests/models/test_distill.py leaves open: the teacher
+following the student's device and half precision, what decides that the student's tokens serve
+it, and each refusal's exact message (a folder without weights, a state dict without its model,
+weights of another model, no file)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from mmssl.checkpoints.layouts import clip_to_open_clip
+from mmssl.models.clip import CLIP
+from mmssl.models.open_clip_config import resolve_model_name
+from mmssl.models.teacher import KEY, load_teacher, sha256, tokenizer_signature, weights_file
+from tests.models.test_distill import save_lightning
+
+
+@pytest.fixture(scope="module")
+def teacher_file(tmp_path_factory, tiny_clip_json):
+    torch.manual_seed(3)
+    return save_lightning(CLIP(tiny_clip_json), tmp_path_factory.mktemp("teacher") / "teacher.ckpt")
+
+
+def test_the_teacher_follows_the_students_device_and_half_precision(teacher_file):
+    teacher = load_teacher(str(teacher_file))
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        full = teacher.encode_image(images)
+    teacher.follow(images.to(torch.bfloat16))
+    assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        half = teacher.encode_image(images.to(torch.bfloat16))
+    assert half.dtype == torch.bfloat16 and torch.allclose(half.float(), full, atol=0.05)
+    teacher.follow(images)  # float32 images: the teacher keeps its dtype (a mixed-precision run's autocast)
+    assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}
+    teacher.follow(torch.zeros(1, 3, 32, 32, device="meta"))  # where a GPU batch is
+    assert {p.device.type for p in teacher.parameters()} == {"meta"}
+    assert not teacher.training and teacher.train().training is False  # always in eval mode
+
+
+def test_the_tokens_serve_a_teacher_of_the_same_tokenizer_signature(tiny_clip_json, tmp_path):
+    name = resolve_model_name(tiny_clip_json)
+    assert tokenizer_signature(name, None) == ("open_clip", None, None, 16, "{}")
+    assert tokenizer_signature(name, str(tmp_path)) == ("open_clip", None, None, 16, "{}")  # BPE: no folder
+
+
+def test_refusals_name_the_teacher_option_and_the_file(tmp_path, teacher_file, tiny_clip_json):
+    with pytest.raises(FileNotFoundError) as info:
+        load_teacher(str(tmp_path / "none.ckpt"))
+    assert str(info.value) == f"{KEY}: no teacher file or folder at {str(tmp_path / 'none.ckpt')!r}"
+    empty = tmp_path / "folder"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError) as info:
+        weights_file(str(empty))
+    assert str(info.value) == (f"{KEY}: the folder {str(empty)!r} holds no open_clip_model.safetensors or "
+                               "model.safetensors / pytorch_model.bin")
+    assert weights_file(str(teacher_file)) == str(teacher_file)
+    assert sha256(str(teacher_file)) == hashlib.sha256(teacher_file.read_bytes()).hexdigest()
+    state = tmp_path / "open_clip.pt"
+    torch.save(clip_to_open_clip(torch.load(teacher_file, weights_only=True)["state_dict"]), state)
+    with pytest.raises(ValueError) as info:
+        load_teacher(str(state))
+    assert str(info.value) == (f"{KEY}: {state} is a state dict: name its open_clip model or JSON config with "
+                               "model.init_args.distill.teacher_model")
+    wider = json.loads(open(tiny_clip_json).read())
+    wider["vision_cfg"]["width"] = 48
+    (tmp_path / "wider.json").write_text(json.dumps(wider))
+    with pytest.raises(ValueError) as info:
+        load_teacher(str(state), str(tmp_path / "wider.json"))
+    name = resolve_model_name(str(tmp_path / "wider.json"))
+    assert str(info.value).startswith(f"{KEY}: the weights of {state} do not fit open_clip model {name!r}: ")
+    assert str(info.value).endswith("(name the right one with model.init_args.distill.teacher_model)")
+    teacher = load_teacher(str(state), tiny_clip_json)
+    assert teacher.source == str(state) and teacher.embed_dim == 32 and teacher.image_size == 32
