@@ -7,6 +7,7 @@ instead of silently changing a user's run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -357,41 +358,48 @@ def test_torch_batch_norms_share_the_private_base():
         "torch", "nn.modules.batchnorm._BatchNorm", "a norm without running batch statistics now derives from it")
 
 
-# torch DistributedDataParallel ---------------------------------------------------------------------
-
-
-def test_ddp_forward_broadcasts_on_the_two_flags():
+@contextlib.contextmanager
+def _one_process_group():
+    """A gloo process group of this process alone (skips when one is already up), destroyed after."""
     if torch.distributed.is_initialized():
         pytest.skip("a process group is already up")
     with tempfile.TemporaryDirectory() as root:
         torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(root, 'store')}",
                                              rank=0, world_size=1)
         try:
-            model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
-            x = torch.randn(4, 3)
-            with torch.no_grad():
-                model(x)
-            assert upstream.ddp_buffer_sync_state(model) == (True, False), _changed(
-                "torch", "DistributedDataParallel.require_forward_param_sync",
-                "a forward without gradients no longer sets it to False")
-            model(x)
-            assert upstream.ddp_buffer_sync_state(model) == (True, True), _changed(
-                "torch", "DistributedDataParallel.require_forward_param_sync",
-                "a forward with gradients no longer sets it to True")
-            assert model.will_sync_module_buffers(), _changed(
-                "torch",
-                "DistributedDataParallel.will_sync_module_buffers",
-                "the two flags set no longer mean a broadcast",
-            )
-            upstream.set_ddp_buffer_sync_state(model, (False, True))
-            assert not model.will_sync_module_buffers(), _changed(
-                "torch", "DistributedDataParallel.broadcast_buffers", "setting it False no longer stops the broadcast")
-            upstream.set_ddp_buffer_sync_state(model, (True, False))
-            assert not model.will_sync_module_buffers(), _changed(
-                "torch", "DistributedDataParallel.require_forward_param_sync",
-                "setting it False no longer stops the broadcast")
+            yield
         finally:
             torch.distributed.destroy_process_group()
+
+
+# torch DistributedDataParallel ---------------------------------------------------------------------
+
+
+def test_ddp_forward_broadcasts_on_the_two_flags():
+    with _one_process_group():
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+        x = torch.randn(4, 3)
+        with torch.no_grad():
+            model(x)
+        assert upstream.ddp_buffer_sync_state(model) == (True, False), _changed(
+            "torch", "DistributedDataParallel.require_forward_param_sync",
+            "a forward without gradients no longer sets it to False")
+        model(x)
+        assert upstream.ddp_buffer_sync_state(model) == (True, True), _changed(
+            "torch", "DistributedDataParallel.require_forward_param_sync",
+            "a forward with gradients no longer sets it to True")
+        assert model.will_sync_module_buffers(), _changed(
+            "torch",
+            "DistributedDataParallel.will_sync_module_buffers",
+            "the two flags set no longer mean a broadcast",
+        )
+        upstream.set_ddp_buffer_sync_state(model, (False, True))
+        assert not model.will_sync_module_buffers(), _changed(
+            "torch", "DistributedDataParallel.broadcast_buffers", "setting it False no longer stops the broadcast")
+        upstream.set_ddp_buffer_sync_state(model, (True, False))
+        assert not model.will_sync_module_buffers(), _changed(
+            "torch", "DistributedDataParallel.require_forward_param_sync",
+            "setting it False no longer stops the broadcast")
 
 
 # open_clip ---------------------------------------------------------------------------------------
@@ -461,23 +469,16 @@ def test_timm_randaugment_ops_apply_aug_fn():
 
 
 def test_fsdp2_forget_forward_order_empties_the_record_a_backward_prefetches_by():
-    if torch.distributed.is_initialized():
-        pytest.skip("a process group is already up")
     from torch.distributed.fsdp import fully_shard
 
-    with tempfile.TemporaryDirectory() as root:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(root, 'store')}",
-                                             rank=0, world_size=1)
-        try:
-            model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3)))
-            fully_shard(model[1])
-            fully_shard(model)
-            with torch.no_grad():
-                model(torch.randn(2, 3))
-            group = model[1]._get_fsdp_state()._fsdp_param_groups[0]
-            assert len(group.comm_ctx.post_forward_order) == 2, _changed(
-                "torch", "FSDPParamGroup.comm_ctx.post_forward_order", "a no-grad forward no longer records its units")
-            upstream.fsdp2_forget_forward_order(model)
-            assert group.comm_ctx.post_forward_order == [] and group._post_forward_indices == []
-        finally:
-            torch.distributed.destroy_process_group()
+    with _one_process_group():
+        model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3)))
+        fully_shard(model[1])
+        fully_shard(model)
+        with torch.no_grad():
+            model(torch.randn(2, 3))
+        group = model[1]._get_fsdp_state()._fsdp_param_groups[0]
+        assert len(group.comm_ctx.post_forward_order) == 2, _changed(
+            "torch", "FSDPParamGroup.comm_ctx.post_forward_order", "a no-grad forward no longer records its units")
+        upstream.fsdp2_forget_forward_order(model)
+        assert group.comm_ctx.post_forward_order == [] and group._post_forward_indices == []
