@@ -136,6 +136,7 @@ def fashion_cwd(source, tmp_path, monkeypatch):
 @pytest.mark.parametrize("recipe, checks", [
     ("mae_vit_patch4", {"train/loss"}),
     ("clip_tiny", {"train/loss", "val/zero_shot_top1"}),
+    ("clip_mlm_tiny", {"train/loss", "train/mlm_loss", "train/itm_loss", "val/zero_shot_top1", "val/mlm_top1"}),
 ])
 def test_fashion_mnist_configs_run_end_to_end(fashion_cwd, recipe, checks):
     from mmssl.cli import main
