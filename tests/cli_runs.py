@@ -24,7 +24,11 @@ PG_TIMEOUT = "--trainer.strategy.init_args.timeout=0:02:00"
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1", **extra}
+    """The environment of a test's CLI run: the repository and tests importable, one OpenMP
+    thread, and every rank's stacks printed 110 s in (tests/site/sitecustomize.py: a little
+    before PG_TIMEOUT's 2 minutes, so a run failing at a collective shows where the late rank was)."""
+    path = os.pathsep.join(str(p) for p in (REPO, REPO / "tests", REPO / "tests" / "site"))
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MMSSL_TEST_STACKS_AFTER_S": "110", **extra}
 
 
 def run_one_process(args: list[str]) -> subprocess.CompletedProcess:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.cli_runs import REPO, cli_env
+
 SHARDS = [16, 16, 16, 16, 16, 15]  # 95 samples: neither 2 x 4 nor 1 x 4 divides what is read
 BATCH, BATCH2 = 4, 3  # run 1, run 2 (run 1 leaves a multiple of 8 to read: batch 3 leaves some out)
 
@@ -49,7 +50,7 @@ def _launch(args: list[str], cwd: Path, timeout: float, ranks: int) -> list[tupl
     Returns (return code, output) per rank."""
     import pytest
 
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
+    env = cli_env()
     if ranks > 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
     logs = [open(cwd / f"launch{time.monotonic_ns()}_{rank}.log", "w+") for rank in range(ranks)]

@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from tests.cli_runs import PG_TIMEOUT, REPO
+from tests.cli_runs import PG_TIMEOUT, REPO, cli_env
 
 
 def _free_port() -> int:
@@ -18,7 +18,7 @@ def _free_port() -> int:
 
 def test_torchrun_two_nodes_each_read_their_own_shards(tmp_path, tiny_demo, tiny_clip_json):
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
+    env = cli_env()
     procs = [
         subprocess.Popen([
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",

@@ -34,7 +34,7 @@ import yaml
 from mmssl.callbacks.rng_state import RNGState, collect_rng_states, set_rng_states
 from mmssl.cli import ContinuedCSVLogger, main, resume_checkpoint
 from mmssl.data.demo import DemoData
-from tests.cli_runs import last_metrics
+from tests.cli_runs import cli_env, last_metrics
 from tests.data.shard_helpers import write_shards_with_bad
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def _launch(args: list[str], cwd: Path, timeout: float, ranks: int = 1) -> list[
     """``python -m mmssl ARGS`` as ``ranks`` processes started together, as a launcher would (with
     ``LOCAL_RANK`` etc. set, Lightning starts no process of its own), each in its own process
     group; all are killed if they outlive ``timeout`` seconds, so a hang fails instead of blocking."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
+    env = cli_env()
     if ranks > 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
     procs = [subprocess.Popen([sys.executable, "-m", "mmssl", *args], cwd=cwd, text=True,

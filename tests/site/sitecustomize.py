@@ -1,0 +1,17 @@
+"""Imported by every Python process the CLI tests start (``tests.cli_runs.cli_env`` puts this
+folder on ``PYTHONPATH``): each rank prints every thread's stack once, ``$MMSSL_TEST_STACKS_AFTER_S``
+seconds after it started, if it is still running then.
+
+Why: a 2-process run in a full-suite CI run once failed with rank 0 waiting at a collective until
+the process-group timeout (2 min) while rank 1 was somewhere else; rank 0's traceback alone does
+not say where. The dump comes a little before that timeout, so the failing test's output shows
+what the late rank was doing. Runs that end sooner print nothing.
+"""
+
+import faulthandler
+import os
+import sys
+
+_after = os.environ.get("MMSSL_TEST_STACKS_AFTER_S", "")
+if _after:
+    faulthandler.dump_traceback_later(float(_after), repeat=False, file=sys.stdout, exit=False)
