@@ -23,12 +23,25 @@ REPO = Path(__file__).resolve().parents[1]
 PG_TIMEOUT = "--trainer.strategy.init_args.timeout=0:02:00"
 
 
+STACKS_AFTER_S = "110"  # below PG_TIMEOUT's 2 minutes
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment of a test's CLI run: the repository and tests importable, one OpenMP
     thread, and every rank's stacks printed 110 s in (tests/site/sitecustomize.py: a little
     before PG_TIMEOUT's 2 minutes, so a run failing at a collective shows where the late rank was)."""
     path = os.pathsep.join(str(p) for p in (REPO, REPO / "tests", REPO / "tests" / "site"))
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MMSSL_TEST_STACKS_AFTER_S": "110", **extra}
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "MMSSL_TEST_STACKS_AFTER_S": STACKS_AFTER_S,
+            **extra}
+
+
+def _print_stacks(folder: str, after_s: str) -> None:
+    """Print the stacks the run's processes dumped (tests/site/sitecustomize.py): pytest shows a
+    failed test's printed output, and the assertion's own message keeps the run's output tail."""
+    for name in sorted(os.listdir(folder)):
+        text = Path(folder, name).read_text(errors="replace")
+        if text.strip():
+            print(f"--- {name}: stacks of a process still running {after_s} s in ---\n{text}")
 
 
 def run_one_process(args: list[str]) -> subprocess.CompletedProcess:
@@ -58,8 +71,9 @@ def run_mmssl(args: list[str], cwd: Path, timeout: float = 300, env: Optional[di
         AssertionError: the run did not end within ``timeout`` seconds (it was killed).
     """
     command = [sys.executable, *(launcher or []), "-m", "mmssl", *args]
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(command, cwd=cwd, env=env or cli_env(), stdout=log, stderr=subprocess.STDOUT,
+    with tempfile.TemporaryFile("w+") as log, tempfile.TemporaryDirectory() as stacks:
+        env = {**(env or cli_env()), "MMSSL_TEST_STACKS_DIR": stacks}
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         timed_out = False
         try:
@@ -74,6 +88,8 @@ def run_mmssl(args: list[str], cwd: Path, timeout: float = 300, env: Optional[di
             proc.wait()
         log.seek(0)
         out = log.read()
+        if proc.returncode != 0 and not (killed and proc.returncode == -signal.SIGKILL and not timed_out):
+            _print_stacks(stacks, env.get("MMSSL_TEST_STACKS_AFTER_S", "?"))
     if proc.returncode == -signal.SIGKILL and (timed_out or not killed):
         raise AssertionError(f"mmssl {' '.join(args[:3])} ... hung for {timeout:.0f} s; output tail:\n{out[-3000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, out, "")
