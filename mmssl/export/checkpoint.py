@@ -20,16 +20,13 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-import torch
 from torch import nn
 
-from mmssl.checkpoints.layouts import ModelKind, clip_to_open_clip, detect_kind, kinds_for
+from mmssl.checkpoints.layouts import ModelKind, StateDict, clip_to_open_clip, detect_kind, kinds_for
 from mmssl.checkpoints.load import build_module, checkpoint_kind, read_lightning
 from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.export.merge import merged_checkpoint
 from mmssl.export.paths import check_output, save_state_file, write_folder
-
-StateDict = dict[str, torch.Tensor]
 
 
 def to_timm(state_dict: StateDict) -> StateDict:

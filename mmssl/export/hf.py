@@ -28,12 +28,12 @@ import json
 import os
 from typing import Any
 
-import torch
 from open_clip.tokenizer import SimpleTokenizer
 from open_clip.transformer import QuickGELU, ResidualAttentionBlock, TextTransformer, VisionTransformer
 from torch import nn
 
-StateDict = dict[str, torch.Tensor]
+from mmssl.checkpoints.layouts import StateDict
+
 # open_clip's SimpleTokenizer names its specials <start_of_text>/<end_of_text>; OpenAI's HF
 # release (openai/clip-vit-base-patch32) <|startoftext|>/<|endoftext|>, same ids 49406/49407.
 SPECIAL_TOKENS = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}

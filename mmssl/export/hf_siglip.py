@@ -28,9 +28,8 @@ import torch
 from open_clip.transformer import QuickGELU, TextTransformer
 from torch import nn
 
+from mmssl.checkpoints.layouts import StateDict
 from mmssl.export.hf import NotRepresentable, check_blocks, norm_tensors, write_tokenizer_files
-
-StateDict = dict[str, torch.Tensor]
 
 
 def is_siglip_shaped(model: nn.Module) -> bool:

@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
 from torch import nn
 
-from mmssl.checkpoints.layouts import KINDS, kind_named, timm_vit_name  # noqa: F401  (timm_vit_name: public here too)
-
-StateDict = dict[str, torch.Tensor]
+from mmssl.checkpoints.layouts import (
+    KINDS,
+    StateDict,
+    kind_named,
+    timm_vit_name,  # noqa: F401  (public here too)
+)
 
 
 def _clean(state: StateDict) -> StateDict:

@@ -22,8 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from mmssl.checkpoints.io import WriteRecorder
-
-StateDict = dict[str, torch.Tensor]
+from mmssl.checkpoints.layouts import StateDict
 
 # The files the folder formats write (timm's save_for_hf; open_clip's hub files; transformers'
 # CLIPModel, processor and tokenizer). ``--overwrite`` replaces a folder holding only these, so
