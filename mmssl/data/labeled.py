@@ -199,11 +199,14 @@ def classnames_problem(names: Sequence[str]) -> Optional[tuple[int, str]]:
 
     Returns:
         ``(index, reason)``: no names, an empty name (a blank line: every later label would name
-        the next class), a line break inside a name, or a name given twice.
+        the next class), a line break inside a name, a name given twice, or two names that differ
+        only in case or spacing (open_clip's tokenizer lower-cases and collapses whitespace, so
+        both classes would get one zero-shot prompt and one classifier row).
     """
     if not names:
         return 0, "no class names"
     first: dict[str, int] = {}
+    as_tokenized: dict[str, int] = {}
     for i, name in enumerate(names):
         if not name.strip():
             return i, "blank line among the class names (every later class would shift by one); remove it"
@@ -211,7 +214,12 @@ def classnames_problem(names: Sequence[str]) -> Optional[tuple[int, str]]:
             return i, f"class name {name!r} holds a line break"
         if name in first:
             return i, f"class name {name!r} repeats line {first[name] + 1}; each class needs its own name"
-        first[name] = i
+        key = " ".join(name.split()).lower()  # open_clip's clean: whitespace_clean(...).lower()
+        if key in as_tokenized:
+            j = as_tokenized[key]
+            return i, (f"class name {name!r} differs from line {j + 1} ({names[j]!r}) only in case or spacing: the "
+                       "tokenizer lower-cases prompts, so both classes would be one text; rename one")
+        first[name], as_tokenized[key] = i, i
     return None
 
 

@@ -170,10 +170,13 @@ def test_bad_cls_in_a_labelled_set_is_skipped_counted_and_named(tmp_path, caplog
     ("cat\n  \ndog\n", 2, "blank line"),
     ("\ncat\ndog\n", 1, "blank line"),
     ("cat\ndog\ncat\n", 3, "'cat' repeats line 1"),
+    ("Cat\ndog\ncat\n", 3, r"'cat' differs from line 1 \('Cat'\) only in case or spacing"),
+    ("red fox\ndog\nred  fox\n", 3, r"'red  fox' differs from line 1 \('red fox'\) only in case or spacing"),
     ("\n\n", 1, "no class names"),
 ])
 def test_classnames_with_a_blank_line_or_a_repeat_are_refused_at_start_up(tmp_path, text, line, reason):
-    # Before: blank lines were dropped (every later class shifted by one) and repeats accepted.
+    # Before: blank lines were dropped (every later class shifted by one) and repeats accepted;
+    # names differing only in case were accepted and zero-shot scored one prompt for two classes.
     write_dataset(tmp_path, [2])
     (tmp_path / "classnames.txt").write_text(text)
     where = rf"{tmp_path / 'classnames.txt'}, line {line}: .*{reason}"
