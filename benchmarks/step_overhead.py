@@ -154,7 +154,7 @@ def guard_hook(reps: int = 200) -> dict[str, float]:
         p.grad = torch.randn_like(p)
     trainer = SimpleNamespace(world_size=1, global_step=0, precision_plugin=None)  # what the hook reads
     module = SimpleNamespace(device=torch.device("cpu"))
-    cases = {"guard sync-free (fused AdamW)": (NonFiniteGuard(check_every_n_steps=10**9),
+    cases = {"guard sync-free (fused AdamW)": (NonFiniteGuard(every_n_steps=10**9),
                                                 torch.optim.AdamW(model.parameters(), fused=True)),
              "guard synchronous (foreach AdamW)": (NonFiniteGuard(), torch.optim.AdamW(model.parameters()))}
     times: dict[str, list[float]] = {k: [] for k in cases}

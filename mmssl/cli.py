@@ -41,7 +41,7 @@ from mmssl.checkpoints.resume import (
 )
 from mmssl.checkpoints.sharded import SafeCheckpointIO
 from mmssl.commands import dispatch
-from mmssl.renames import model_renames, upgrade_command_line
+from mmssl.renames import model_renames, renamed_args, upgrade_command_line
 from mmssl.signals import install_sigterm_watchdog
 
 
@@ -77,6 +77,16 @@ def _num_classes(model: pl.LightningModule) -> Optional[int]:
     return getattr(model, "num_classes", None)  # a classifier's; labels beyond it are bad samples
 
 
+# Callbacks every run has, each a config group of its own (``--nonfinite_guard.max_consecutive``).
+ALWAYS_ON = {
+    "summary": RunSummary,  # the start/end report
+    "nonfinite_guard": NonFiniteGuard,  # the non-finite step guard
+    "evaluation_buffer_sync": EvaluationBufferSync,  # no DDP buffer broadcast in evaluation forwards (uneven batches)
+    "rng_state": RNGState,  # every rank's RNG states in each checkpoint, restored on resume
+    "log_step_on_resume": LogStepOnResume,  # a resumed run logs at the uninterrupted run's steps (a Lightning quirk)
+}
+
+
 class MMSSLCLI(LightningCLI):
     """LightningCLI with one run folder per run and model-to-data links.
 
@@ -104,15 +114,8 @@ class MMSSLCLI(LightningCLI):
             ("teacher_embeddings", _teacher_embeddings),
         ):
             parser.link_arguments("model", f"data.init_args.{target}", compute_fn=fn, apply_on="instantiate")
-        # Always on, configurable: the start/end report, and the non-finite step guard.
-        parser.add_lightning_class_args(RunSummary, "summary")
-        parser.add_lightning_class_args(NonFiniteGuard, "nonfinite_guard")
-        # Always on: no DDP buffer broadcast in evaluation forwards (ranks' batch counts differ).
-        parser.add_lightning_class_args(EvaluationBufferSync, "evaluation_buffer_sync")
-        # Always on: every rank's RNG states in each checkpoint, restored on resume.
-        parser.add_lightning_class_args(RNGState, "rng_state")
-        # Always on: a resumed run logs at the uninterrupted run's steps (a Lightning restart quirk).
-        parser.add_lightning_class_args(LogStepOnResume, "log_step_on_resume")
+        for key, callback in ALWAYS_ON.items():
+            parser.add_lightning_class_args(callback, key)
 
     def __init__(self, *args: Any, sigterm_watchdog: bool = False, **kwargs: Any) -> None:
         self.sigterm_watchdog = sigterm_watchdog  # read in before_instantiate_classes, during __init__
@@ -128,8 +131,9 @@ class MMSSLCLI(LightningCLI):
         if args is None or isinstance(args, (list, tuple)):
             # Saved config.yaml files and command lines of earlier runs, keys renamed since (mmssl.renames).
             renames = model_renames(kind.class_path for kind in KINDS)
+            sections = {key: renamed_args(callback) for key, callback in ALWAYS_ON.items()}
             given = list(sys.argv[1:] if args is None else args)
-            upgraded = upgrade_command_line(given, renames, _read_yaml, yaml.safe_dump)
+            upgraded = upgrade_command_line(given, renames, _read_yaml, yaml.safe_dump, sections)
             if args is None:
                 # LightningCLI reads sys.argv itself (and warns when given both); the ranks it starts
                 # read it too, so they parse the same upgraded command line.

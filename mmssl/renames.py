@@ -6,6 +6,8 @@ A class lists the init arguments it renamed or moved into a config group as ``re
 the ``init_args`` of a config) with a deprecation warning that names where the old keys came from;
 :func:`upgrade_config` does the same for every ``class_path`` / ``init_args`` node of a parsed YAML
 config, so an old run's ``config.yaml`` runs unchanged (``mmssl validate --config run/config.yaml``).
+A group the CLI adds for a class of its own (``add_lightning_class_args``: ``nonfinite_guard``)
+names no ``class_path``; its renames are passed by the group's key (``sections``).
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def _class_of(class_path: Any) -> Optional[type]:
         return None  # LightningCLI reports the bad class path itself
 
 
-def upgrade_config(config: Any, where: str, model_renames: Mapping[str, str] = ()) -> tuple[Any, list[str]]:
+def upgrade_config(config: Any, where: str, model_renames: Mapping[str, str] = (),
+                   sections: Mapping[str, Mapping[str, str]] = {}) -> tuple[Any, list[str]]:
     """A parsed YAML config with every mmssl class's renamed init arguments moved.
 
     Args:
@@ -103,6 +106,8 @@ def upgrade_config(config: Any, where: str, model_renames: Mapping[str, str] = (
         where: the file, named in messages.
         model_renames: the renames for a ``model`` node that names no ``class_path`` (its class comes
             from another config file or the command line): the union of the model classes' own.
+        sections: ``{key: renames}`` for the groups named ``key`` that name no ``class_path`` (the
+            CLI's own callbacks, ``nonfinite_guard``).
 
     Returns:
         The rewritten config (a new object where anything moved) and the moves made.
@@ -116,7 +121,10 @@ def upgrade_config(config: Any, where: str, model_renames: Mapping[str, str] = (
             return node
         node = {k: visit(v, k) for k, v in node.items()}
         cls = _class_of(node.get("class_path"))
-        renames = renamed_args(cls) if cls is not None else (model_renames if key == "model" else {})
+        if cls is not None:
+            renames = renamed_args(cls)
+        else:
+            renames = model_renames if key == "model" else sections.get(key, {})
         if not renames:
             return node
         if "init_args" in node or "class_path" in node:
@@ -143,15 +151,17 @@ def model_renames(class_paths: Iterable[str]) -> dict[str, str]:
 
 
 def upgrade_command_line(args: list[str], renames_for_models: Mapping[str, str],
-                         read_yaml: Any, dump_yaml: Any) -> list[str]:
+                         read_yaml: Any, dump_yaml: Any, sections: Mapping[str, Mapping[str, str]] = {}) -> list[str]:
     """A LightningCLI command line with renamed keys moved: in each ``--config`` file (passed on
-    as the rewritten YAML text when anything moved) and in ``--model.[init_args.]<old>`` flags.
+    as the rewritten YAML text when anything moved), in ``--model.[init_args.]<old>`` flags and in
+    ``--<section>.<old>`` flags.
 
     Args:
         args: the command line without the program name.
         renames_for_models: :func:`model_renames` of the model classes.
         read_yaml: ``path -> parsed config`` (``None`` for a value that is no readable file).
         dump_yaml: ``config -> YAML text``.
+        sections: ``{key: renames}`` of the CLI's own groups (:func:`upgrade_config`).
     """
     out, moves = [], []
     config_next = False
@@ -160,7 +170,7 @@ def upgrade_command_line(args: list[str], renames_for_models: Mapping[str, str],
             value = arg if config_next else arg.split("=", 1)[1]
             config = read_yaml(value)
             if config is not None:
-                config, moved = upgrade_config(config, value, renames_for_models)
+                config, moved = upgrade_config(config, value, renames_for_models, sections)
                 if moved:
                     warn_moves(moved, value)
                     value = dump_yaml(config)
@@ -175,6 +185,13 @@ def upgrade_command_line(args: list[str], renames_for_models: Mapping[str, str],
             if key in renames_for_models:
                 moves.append(f"{flag} -> --model.init_args.{renames_for_models[key]}")
                 arg = f"--model.init_args.{renames_for_models[key]}{eq}{value}"
+        elif arg.startswith("--") and "." in arg:
+            flag, eq, value = arg.partition("=")
+            section, _, key = flag[2:].partition(".")
+            if key in sections.get(section, {}):
+                new = f"--{section}.{sections[section][key]}"
+                moves.append(f"{flag} -> {new}")
+                arg = f"{new}{eq}{value}"
         out.append(arg)
     warn_moves(moves, "the command line")
     return out

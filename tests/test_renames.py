@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from mmssl.callbacks.guards import NonFiniteGuard
 from mmssl.checkpoints.load import load_lightning
 from mmssl.cli import cli_main
 from mmssl.models.clip import CLIP
@@ -108,3 +109,42 @@ def test_coca_refuses_the_clip_options_it_cannot_honour_naming_the_key():
                       ({"lora": {"r": 4}}, "lora"), ({"trim_text_padding": True}, "trim_text_padding")):
         with pytest.raises(ValueError, match=f"model.init_args.{key}: CoCa does not take it"):
             CoCa(str(REPO / "configs/models/coca_tiny.json"), **args)
+
+
+def test_a_config_with_the_guards_old_cadence_key_reads_at_that_interval_and_warns_naming_the_new_key(
+        tmp_path, tiny_demo):
+    # check_every_n_steps, now every_n_steps as on EmbeddingHealth and Reconstructions. Fused AdamW
+    # takes the sync-free path, whose host reads follow the interval: steps 3 and 6, and the end.
+    config = tmp_path / "old.yaml"
+    config.write_text(yaml.safe_dump({
+        "seed_everything": 0,
+        "trainer": {"max_steps": 6, "log_every_n_steps": 50, "limit_val_batches": 0, "logger": False,
+                    "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False},
+        "model": {"class_path": "mmssl.models.mae.MAE", "init_args": {
+            "image_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2, "decoder_embed_dim": 32,
+            "decoder_depth": 1, "decoder_num_heads": 2,
+            "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"fused": True}}}},
+        "data": {"class_path": "mmssl.data.datamodule.ImageTextDataModule",
+                 "init_args": {"batch_size": 8, "num_workers": 0, "demo_dir": tiny_demo.root}},
+        "nonfinite_guard": {"max_consecutive": 4, "check_every_n_steps": 3},
+    }))
+    with pytest.warns(FutureWarning, match=r"old.yaml: renamed config keys .*check_every_n_steps -> every_n_steps"):
+        cli = cli_main(["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path)])
+    guard = next(c for c in cli.trainer.callbacks if isinstance(c, NonFiniteGuard))
+    assert (guard.max_consecutive, guard.every_n_steps) == (4, 3)
+    assert cli.trainer.global_step == 6 and guard.host_reads == 3  # the default (logging steps) reads once
+
+
+def test_the_guards_old_flag_is_moved_and_other_sections_keep_theirs():
+    sections = {"nonfinite_guard": NonFiniteGuard.renamed_args}
+    with pytest.warns(FutureWarning, match=r"the command line.*--nonfinite_guard.check_every_n_steps -> "
+                                           r"--nonfinite_guard.every_n_steps"):
+        args = upgrade_command_line(["fit", "--nonfinite_guard.check_every_n_steps=3", "--summary.check_every_n_steps",
+                                     "2", "--nonfinite_guard.max_consecutive=2"], {}, lambda path: None,
+                                    yaml.safe_dump, sections)
+    assert args == ["fit", "--nonfinite_guard.every_n_steps=3", "--summary.check_every_n_steps", "2",
+                    "--nonfinite_guard.max_consecutive=2"]
+    out, moves = upgrade_config({"nonfinite_guard": {"check_every_n_steps": 3}, "summary": {"check_every_n_steps": 1}},
+                                "x.yaml", {}, sections)
+    assert out == {"nonfinite_guard": {"every_n_steps": 3}, "summary": {"check_every_n_steps": 1}}
+    assert moves == ["check_every_n_steps -> every_n_steps"]

@@ -39,28 +39,31 @@ class NonFiniteGuard(pl.Callback):
       kernel then leaves parameters and moments alone and torch takes the step count back
       (``torch/optim/adam.py``, ``_fused_adam``; a skipped first step leaves Adam's freshly made
       state: zero moments, step 0). The counts accumulate on the device; the host reads them every
-      ``check_every_n_steps`` steps (default: Lightning's logging steps) and at the end of
+      ``every_n_steps`` steps (default: Lightning's logging steps) and at the end of
       training, where it also checks the limit, and when a checkpoint is saved (counts only). On a
       GPU, where a host read is a device sync, the loop never waits for the GPU in between; a run
       of ``max_consecutive`` skipped steps stops training at the next check, up to
-      ``check_every_n_steps - 1`` steps late (steps that are skipped too: no weight is harmed).
+      ``every_n_steps - 1`` steps late (steps that are skipped too: no weight is harmed).
     - **Synchronous** (any other optimizer, or fp16 with a ``GradScaler``, which sets
       ``found_inf`` itself): the flag is read every step and every ``.grad`` of a bad step is
       dropped, so the optimizer passes over every parameter; the stop is immediate.
 
     Args:
         max_consecutive: consecutive skipped steps after which training stops with an error.
-        check_every_n_steps: optimizer steps between host reads of the counts on the sync-free
+        every_n_steps: optimizer steps between host reads of the counts on the sync-free
             path; ``None``: on the steps whose metrics Lightning logs (``log_every_n_steps``).
     """
 
-    def __init__(self, max_consecutive: int = 5, check_every_n_steps: Optional[int] = None) -> None:
+    # The cadence key of EmbeddingHealth and Reconstructions; configs saved earlier keep loading (mmssl.renames).
+    renamed_args = {"check_every_n_steps": "every_n_steps"}
+
+    def __init__(self, max_consecutive: int = 5, every_n_steps: Optional[int] = None) -> None:
         if max_consecutive < 1:
             raise ValueError(f"--nonfinite_guard.max_consecutive must be >= 1, got {max_consecutive}")
-        if check_every_n_steps is not None and check_every_n_steps < 1:
-            raise ValueError(f"--nonfinite_guard.check_every_n_steps must be >= 1 or null, got {check_every_n_steps}")
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"--nonfinite_guard.every_n_steps must be >= 1 or null, got {every_n_steps}")
         self.max_consecutive = max_consecutive
-        self.check_every_n_steps = check_every_n_steps
+        self.every_n_steps = every_n_steps
         self.skipped = 0  # exact as of the last host read
         self.consecutive = 0
         self.host_reads = 0  # reads of the device counts (each one a device sync on a GPU)
@@ -105,7 +108,7 @@ class NonFiniteGuard(pl.Callback):
             self._record(bad)
             set_found_inf(optimizer, bad)  # read by the fused step (torch.optim.Adam.step)
             self._armed.append(optimizer)
-            every = self.check_every_n_steps
+            every = self.every_n_steps
             if logging_step(trainer) if every is None else (trainer.global_step + 1) % every == 0:
                 self._read(trainer, pl_module)
             return

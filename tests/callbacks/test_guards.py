@@ -71,9 +71,9 @@ def _same_state(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor
 def test_fused_adamw_skips_on_the_device_and_reads_the_host_only_at_checks():
     """Fused AdamW takes the flag as its ``found_inf``: weights, moments and step counts untouched,
     the same trajectory as the synchronous path, and the host reads the counts only at checks."""
-    model, guard = _Poisoned({0, 3, 4}, fused=True), NonFiniteGuard(max_consecutive=3, check_every_n_steps=4)
+    model, guard = _Poisoned({0, 3, 4}, fused=True), NonFiniteGuard(max_consecutive=3, every_n_steps=4)
     trainer = _trainer(guard, 12)
-    assert trainer.log_every_n_steps == 50  # so only check_every_n_steps decides the reads
+    assert trainer.log_every_n_steps == 50  # so only every_n_steps decides the reads
     trainer.fit(model)
     s, o = model.snapshots, model.optimizer_states
     assert torch.equal(s[0], s[1]) and torch.equal(s[3], s[4]) and torch.equal(s[4], s[5])
@@ -86,14 +86,14 @@ def test_fused_adamw_skips_on_the_device_and_reads_the_host_only_at_checks():
     assert not hasattr(model.optimizers().optimizer, "found_inf")  # disarmed after each step
 
     reference = _Poisoned({0, 3, 4}, fused=False)  # the synchronous path (grads dropped)
-    sync_guard = NonFiniteGuard(max_consecutive=3, check_every_n_steps=4)
+    sync_guard = NonFiniteGuard(max_consecutive=3, every_n_steps=4)
     _trainer(sync_guard, 12).fit(reference)
     assert sync_guard.skipped == 3
     torch.testing.assert_close(model.layer.weight, reference.layer.weight)
 
 
 def test_fused_path_stops_at_the_first_check_after_too_many_in_a_row():
-    model, guard = _Poisoned(set(range(1, 20)), fused=True), NonFiniteGuard(max_consecutive=2, check_every_n_steps=4)
+    model, guard = _Poisoned(set(range(1, 20)), fused=True), NonFiniteGuard(max_consecutive=2, every_n_steps=4)
     with pytest.raises(RuntimeError, match=r"NaN/inf for 3 steps in a row \(the limit is 2; step 3,"):
         _trainer(guard, 20).fit(model)
     assert all(torch.equal(model.snapshots[1], w) for step, w in model.snapshots.items() if step >= 1)
@@ -149,7 +149,7 @@ def test_evaluation_buffer_sync_turns_ddps_broadcast_off_for_validation_and_puts
 
 
 def test_a_checkpoint_between_checks_keeps_the_counts_exact_and_the_stop_pending():
-    model, guard = _Poisoned({1, 2}, fused=True), NonFiniteGuard(max_consecutive=2, check_every_n_steps=6)
+    model, guard = _Poisoned({1, 2}, fused=True), NonFiniteGuard(max_consecutive=2, every_n_steps=6)
 
     class _SaveAt(pl.Callback):  # the state a checkpoint at step 4 would hold
         def on_train_batch_end(self, trainer, *args):
@@ -185,7 +185,7 @@ def test_a_limit_of_one_lets_a_clean_run_finish():
 
 
 def test_the_fused_path_stops_at_the_end_of_training_when_no_check_came_after_the_run():
-    guard = NonFiniteGuard(max_consecutive=2, check_every_n_steps=100)
+    guard = NonFiniteGuard(max_consecutive=2, every_n_steps=100)
     with pytest.raises(
         RuntimeError, match=r"NaN/inf for 2 steps in a row \(the limit is 2; step 4, 2 skipped in all\)"
     ):
@@ -193,14 +193,14 @@ def test_the_fused_path_stops_at_the_end_of_training_when_no_check_came_after_th
 
 
 def test_the_fused_path_logs_the_skipped_count_at_its_checks():
-    trainer = _trainer(NonFiniteGuard(max_consecutive=3, check_every_n_steps=2), 4)
+    trainer = _trainer(NonFiniteGuard(max_consecutive=3, every_n_steps=2), 4)
     trainer.fit(_Poisoned({0, 2}, fused=True))
     assert trainer.callback_metrics["train/nonfinite_skipped"].item() == 2.0
 
 
 def test_a_step_without_gradients_counts_as_finite_on_the_fused_path():
     # A rank whose batch reached no parameter still takes part (its flag is a zero on the device).
-    model, guard = _Poisoned(set(), fused=True), NonFiniteGuard(check_every_n_steps=1)
+    model, guard = _Poisoned(set(), fused=True), NonFiniteGuard(every_n_steps=1)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     trainer = _trainer(guard, 1)
     guard.on_before_optimizer_step(trainer, model, optimizer)
@@ -209,13 +209,13 @@ def test_a_step_without_gradients_counts_as_finite_on_the_fused_path():
 
 def test_the_limits_default_to_five_and_logging_steps_accept_one_and_refuse_zero():
     guard = NonFiniteGuard()
-    assert (guard.max_consecutive, guard.check_every_n_steps) == (5, None)
+    assert (guard.max_consecutive, guard.every_n_steps) == (5, None)
     assert guard.state_dict() == {"skipped": 0, "consecutive": 0}
-    NonFiniteGuard(max_consecutive=1, check_every_n_steps=1)
+    NonFiniteGuard(max_consecutive=1, every_n_steps=1)
     with pytest.raises(ValueError, match=r"^--nonfinite_guard.max_consecutive must be >= 1, got 0$"):
         NonFiniteGuard(max_consecutive=0)
-    with pytest.raises(ValueError, match=r"^--nonfinite_guard.check_every_n_steps must be >= 1 or null, got 0$"):
-        NonFiniteGuard(check_every_n_steps=0)
+    with pytest.raises(ValueError, match=r"^--nonfinite_guard.every_n_steps must be >= 1 or null, got 0$"):
+        NonFiniteGuard(every_n_steps=0)
 
 
 def test_each_path_logs_the_skipped_count_by_default_on_logging_steps():
