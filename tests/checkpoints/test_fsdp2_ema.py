@@ -148,10 +148,11 @@ def test_the_one_reader_consolidates_a_folder_with_its_average(ema_runs, tmp_pat
     assert torch.equal(exported["visual.conv1.weight"], fsdp2["ema/model.visual.conv1.weight"])
 
 
-@pytest.mark.parametrize("where", ["fsdp2 on 1 from the folder", "fsdp2 from a ddp file"])
+@pytest.mark.parametrize("where", ["fsdp2 on 1 from the folder", "fsdp2 from a ddp file", "ddp from the folder"])
 def test_an_ema_checkpoint_resumes_elsewhere_with_exactly_its_average(where, ema_runs, tiny_demo, tiny_clip_json):
     """DCP reshards the average of a 2-process folder to 1 process; a DDP run's file (average
-    whole, in WeightAveraging's layout) is scattered into the shards. Training starts from the
+    whole, in WeightAveraging's layout) is scattered into the shards; a DDP run reads the folder
+    through the one reader (raw weights and average consolidated whole). Training starts from the
     raw weights and the saved average, exactly."""
     tmp, runs = ema_runs
     if where.endswith("ddp file"):
@@ -159,7 +160,8 @@ def test_an_ema_checkpoint_resumes_elsewhere_with_exactly_its_average(where, ema
         saved = read_checkpoint(str(source))
         raw, average = saved["current_model_state"], saved["state_dict"]
     else:
-        source, world = runs["fsdp2"] / "kept" / "step=2.ckpt", [*FSDP2, *ONE]
+        source = runs["fsdp2"] / "kept" / "step=2.ckpt"
+        world = DDP if where.startswith("ddp") else [*FSDP2, *ONE]
         raw, average = _from_folder(source, "state_dict"), _from_folder(source)
     root = tmp / where.replace(" ", "_")
     args = _ema_args(root, tiny_demo, 3, "both", tiny_clip_json)
