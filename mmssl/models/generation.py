@@ -54,12 +54,24 @@ def beam_search(model: nn.Module, images: Tensor, sot_token_id: int, eos_token_i
     for _ in range(seq_len - 1):
         logits = model(None, seqs, image_latent=latent, image_embs=embs, output_labels=False)["logits"][:, -1]
         logp = F.log_softmax(logits.float(), dim=-1)  # (B*K, V)
+        if seqs.shape[1] + 1 == seq_len:
+            # The caption is cut here: each live beam ends with end-of-text, scored with that token's
+            # log-probability (open_clip's sampling also writes end-of-text at seq_len). Ending a beam
+            # on each of its best next tokens with end-of-text written in its place scored a caption
+            # by a word it does not hold, and kept the same caption once per such token.
+            ended_scores = scores.reshape(-1) + logp[:, eos_token_id]  # (B*K,)
+            ends = torch.cat([seqs, seqs.new_full((seqs.shape[0], 1), eos_token_id)], dim=1)  # (B*K, seq_len)
+            for b in range(batch):
+                for i in range(b * k, (b + 1) * k):
+                    if float(scores.reshape(-1)[i]) > float("-inf"):
+                        done[b].append((float(ended_scores[i]) / (seq_len - 1) ** length_penalty, ends[i]))
+                done[b] = sorted(done[b], key=lambda d: -d[0])[:k]
+            break
         if seqs.shape[1] < min_seq_len:
             logp[:, eos_token_id] = float("-inf")
         vocab = logp.shape[1]
         cand = (scores.reshape(-1, 1) + logp).reshape(batch, k * vocab)  # (B, K*V)
         top, index = cand.topk(2 * k, dim=1)  # (B, 2K): enough to keep K live beams after EOS picks
-        last = seqs.shape[1] + 1 == seq_len
         new_seqs, new_scores = (
             seqs.new_full((batch, k, seqs.shape[1] + 1), pad_token_id),
             torch.full_like(scores, float("-inf")),
@@ -71,7 +83,7 @@ def beam_search(model: nn.Module, images: Tensor, sot_token_id: int, eos_token_i
                 if score == float("-inf"):
                     break
                 prefix = seqs[b * k + beam]
-                if token == eos_token_id or last:
+                if token == eos_token_id:
                     ended = torch.cat([prefix, prefix.new_tensor([eos_token_id])])
                     done[b].append((score / (ended.shape[0] - 1) ** length_penalty, ended))
                 elif kept < k:
@@ -83,7 +95,7 @@ def beam_search(model: nn.Module, images: Tensor, sot_token_id: int, eos_token_i
         # transformers' stopping rule (early_stopping=False): an image is done when it has K
         # finished beams and its best live beam, at the current length, cannot beat the worst.
         best_live = scores.max(dim=1).values / seqs.shape[1] ** length_penalty
-        if last or all(len(d) == k and d[-1][0] >= float(best_live[b]) for b, d in enumerate(done)):
+        if all(len(d) == k and d[-1][0] >= float(best_live[b]) for b, d in enumerate(done)):
             break
     chosen = [d[0][1] if d else seqs[b * k] for b, d in enumerate(done)]
     out = seqs.new_full((batch, max(c.shape[0] for c in chosen)), pad_token_id)

@@ -94,3 +94,16 @@ def test_the_search_goes_on_while_a_live_beam_can_still_beat_the_finished_ones()
     model.logits[0, 2:, :, EOS] = 0.0
     got = beam_search(model, torch.arange(1), SOT, EOS, PAD, num_beams=1, seq_len=6, min_seq_len=1)
     assert got.tolist() == [[SOT, WORDS[0], EOS]]
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_a_caption_cut_at_seq_len_is_scored_with_its_end_of_text(num_beams):
+    """At ``seq_len`` a live beam ends with end-of-text, scored with that token's log-probability:
+    "a <end>" (log 0.35 + log 0.01) / 2 = -2.83 loses to "<end>" (log 0.4 = -0.92). Scored with
+    its likeliest next word (0.6) in the end's place, "a <end>" (-0.78) won."""
+    model = _Table(1, seed=0)
+    model.logits[0] = -30.0
+    model.logits[0, 1, SOT, [EOS, *WORDS]] = torch.tensor([0.4, 0.35, 0.25]).log()
+    model.logits[0, 2, :, [EOS, *WORDS]] = torch.tensor([0.01, 0.6, 0.39]).log()
+    got = beam_search(model, torch.arange(1), SOT, EOS, PAD, num_beams=num_beams, seq_len=3, min_seq_len=1)
+    assert got.tolist() == [[SOT, EOS]]
