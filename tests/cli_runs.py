@@ -102,3 +102,15 @@ def last_metrics(run_dir: Path, prefixes: tuple[str, ...] = ("val/", "probe/")) 
         for row in csv.DictReader(f):
             out.update({k: float(v) for k, v in row.items() if v not in ("", None) and k.startswith(prefixes)})
     return out
+
+
+def run_tool(name: str, args: list[str], monkeypatch) -> int:
+    """``python tools/NAME ARGS`` in-process, run as ``__main__`` as a user runs it: its exit status."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [name, *args])
+    try:
+        runpy.run_path(str(REPO / "tools" / name), run_name="__main__")
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    return 0

@@ -1,9 +1,12 @@
-"""Callbacks that tests inject into real CLI runs (importable by subprocesses via PYTHONPATH)."""
+"""Callbacks that tests inject into real CLI runs (importable by subprocesses via PYTHONPATH), and
+the runner of a test's own 2-rank gloo workers."""
 
 from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
@@ -105,3 +108,20 @@ class StallRank(pl.Callback):
             import time
 
             time.sleep(self.seconds)
+
+
+def run_two_ranks(worker: Callable[..., None], folder: Path, *args: Any) -> list[Any]:
+    """``worker(rank, init_file, *args, out_file)`` on 2 processes, forked (the children inherit the
+    imported modules instead of importing them again: seconds). The worker joins the gloo group
+    through ``init_file`` (``init_method=f"file://{init_file}"``) and saves what it found to
+    ``f"{out_file}.{rank}"``.
+
+    Returns:
+        What each rank saved, by rank.
+    """
+    import torch.multiprocessing as mp
+
+    out_file = str(folder / "results")
+    mp.start_processes(worker, args=(str(folder / "init"), *args, out_file), nprocs=2, start_method="fork")
+    # The test's own files, which may hold its own objects (test_gradcache's masks): not weights only.
+    return [torch.load(f"{out_file}.{rank}", weights_only=False) for rank in range(2)]

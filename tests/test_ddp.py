@@ -14,17 +14,14 @@ import pytest
 import torch
 
 from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
+from tests.tiny import TINY_MAE_FLAGS
 
-TINY_MAE = [
-    "--model.init_args.embed_dim=32", "--model.init_args.depth=2", "--model.init_args.num_heads=2",
-    "--model.init_args.decoder_embed_dim=32", "--model.init_args.decoder_depth=1",
-    "--model.init_args.decoder_num_heads=2",
-]
 DDP = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT]
 
 
 def _common(recipe: str, tmp_path, demo, clip_json: str, val_data: str) -> list[str]:
-    model = [f"--model.init_args.model_name={clip_json}"] if recipe in ("clip", "coca", "clip_lora") else TINY_MAE
+    clip = recipe in ("clip", "coca", "clip_lora")
+    model = [f"--model.init_args.model_name={clip_json}"] if clip else [*TINY_MAE_FLAGS]
     if recipe == "clip_lora":  # LoRA adapters (r 2) on both towers of a saved base CLIP
         model += [f"--model.init_args.pretrained={_lora_base(clip_json, tmp_path)}", "--model.init_args.lora={r: 2}"]
     return [

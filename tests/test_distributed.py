@@ -14,7 +14,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss, SigLipLoss
 from torch.nn.parallel import DistributedDataParallel
@@ -22,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mmssl.distributed import gather_with_grad, rank, world_size
 from mmssl.models.clip import CLIP
 from mmssl.retrieval import distributed_retrieval_hits, retrieval_metrics
+from tests.helpers import run_two_ranks
 
 WORLD = 2
 BATCH = 8  # global; 4 per rank
@@ -94,13 +94,7 @@ def _worker(local_rank: int, init_file: str, json_path: str, out_file: str) -> N
 
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory, tiny_clip_json) -> list[dict]:
-    folder = tmp_path_factory.mktemp("dist")
-    out_file = str(folder / "results")
-    # fork: the children inherit the imported modules instead of importing them again (seconds).
-    mp.start_processes(
-        _worker, args=(str(folder / "init"), tiny_clip_json, out_file), nprocs=WORLD, start_method="fork"
-    )
-    return [torch.load(f"{out_file}.{r}", weights_only=False) for r in range(WORLD)]
+    return run_two_ranks(_worker, tmp_path_factory.mktemp("dist"), tiny_clip_json)
 
 
 def test_helpers_answer_rank_and_world(two_process_results):

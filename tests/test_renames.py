@@ -22,6 +22,7 @@ from mmssl.models.distill import Distillation
 from mmssl.models.flip import Flip
 from mmssl.models.locking import LockOptions
 from mmssl.renames import move_keys, upgrade_command_line, upgrade_config, upgrade_init_args
+from tests.tiny import TINY_MAE
 
 REPO = Path(__file__).resolve().parents[1]
 SAVED = REPO / "tests" / "fixtures" / "saved_before_parts"
@@ -121,9 +122,7 @@ def test_a_config_with_the_guards_old_cadence_key_reads_at_that_interval_and_war
         "trainer": {"max_steps": 6, "log_every_n_steps": 50, "limit_val_batches": 0, "logger": False,
                     "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False},
         "model": {"class_path": "mmssl.models.mae.MAE", "init_args": {
-            "image_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2, "decoder_embed_dim": 32,
-            "decoder_depth": 1, "decoder_num_heads": 2,
-            "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"fused": True}}}},
+            **TINY_MAE, "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"fused": True}}}},
         "data": {"class_path": "mmssl.data.datamodule.ImageTextDataModule",
                  "init_args": {"batch_size": 8, "num_workers": 0, "demo_dir": tiny_demo.root}},
         "nonfinite_guard": {"max_consecutive": 4, "check_every_n_steps": 3},

@@ -19,10 +19,10 @@ from mmssl.checkpoints.load import load_lightning, read_lightning
 from mmssl.checkpoints.read import read_state_dict
 from mmssl.export import export_checkpoint, to_timm
 from mmssl.models.mae import MAE
+from tests.tiny import tiny_mae
 
 REPO = Path(__file__).resolve().parents[2]
-TINY_MAE = dict(image_size=32, patch_size=4, embed_dim=32, depth=1, num_heads=2,
-                decoder_embed_dim=16, decoder_depth=1, decoder_num_heads=2)
+TINY_MAE = tiny_mae(patch_size=4, decoder_embed_dim=16)
 
 
 def test_fsdp1_is_refused_before_a_copy_is_made():

@@ -2,7 +2,6 @@
 
 import os
 import pickle
-import runpy
 import sys
 from pathlib import Path
 
@@ -13,8 +12,8 @@ from PIL import Image
 from mmssl.checkpoints import UnsafeCheckpointError, read_checkpoint, read_state_dict
 from mmssl.checkpoints.load import load_lightning
 from mmssl.models.mae import MAE
+from tests.cli_runs import run_tool
 
-REPO = Path(__file__).resolve().parents[2]
 TINY = dict(image_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=4,
             decoder_embed_dim=32, decoder_depth=1, decoder_num_heads=4)
 
@@ -80,16 +79,6 @@ def test_read_checkpoint_refuses_and_names_file_and_global(evil):
         read_checkpoint(str(path))
     assert str(path) in str(error.value) and name in str(error.value)
     assert not marker.exists()
-
-
-def run_tool(name: str, args: list[str], monkeypatch) -> int:
-    """``python tools/NAME ARGS`` in-process: its exit status."""
-    monkeypatch.setattr(sys, "argv", [name, *args])
-    try:
-        runpy.run_path(str(REPO / "tools" / name), run_name="__main__")
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    return 0
 
 
 @pytest.mark.parametrize("tool,args", [

@@ -23,15 +23,11 @@ import torch
 from mmssl.checkpoints.read import UnsafeCheckpointError, read_checkpoint, read_dcp_metadata
 from mmssl.checkpoints.resume import inspect_checkpoint, run_checkpoints
 from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl
+from tests.tiny import TINY_MAE_FLAGS
 
 FSDP2 = ["--config", str(REPO / "configs/trainer/fsdp2_cpu.yaml"), PG_TIMEOUT]
 DDP = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT]
 ONE = ["--trainer.devices=1", "--trainer.strategy.init_args.data_parallel_size=1"]
-TINY_MAE = ["--model.init_args.embed_dim=32", "--model.init_args.depth=2", "--model.init_args.num_heads=2",
-            "--model.init_args.decoder_embed_dim=32", "--model.init_args.decoder_depth=1",
-            "--model.init_args.decoder_num_heads=2"]
-
-
 def _args(recipe: str, root: Path, demo, model: list[str], steps: int) -> list[str]:
     val = f"{os.path.dirname(demo.val)}/0.tar"  # one shard: rank 1 validates nothing
     return [
@@ -64,14 +60,14 @@ def mae_runs(tmp_path_factory, tiny_demo):
     step 3 (its newest checkpoint: step 2) then resumed with --ckpt_path last."""
     tmp = tmp_path_factory.mktemp("fsdp2_mae")
     runs = {name: tmp / name for name in ("fsdp2", "ddp", "killed")}
-    _ok(run_mmssl([*_args("mae", runs["fsdp2"], tiny_demo, TINY_MAE, 4), *FSDP2], tmp, timeout=240))
-    _ok(run_mmssl([*_args("mae", runs["ddp"], tiny_demo, TINY_MAE, 4), *DDP], tmp, timeout=240))
+    _ok(run_mmssl([*_args("mae", runs["fsdp2"], tiny_demo, TINY_MAE_FLAGS, 4), *FSDP2], tmp, timeout=240))
+    _ok(run_mmssl([*_args("mae", runs["ddp"], tiny_demo, TINY_MAE_FLAGS, 4), *DDP], tmp, timeout=240))
     kill = ["--trainer.callbacks+=tests.helpers.KillAtStep", "--trainer.callbacks.step=3"]
-    killed = run_mmssl([*_args("mae", runs["killed"], tiny_demo, TINY_MAE, 4), *FSDP2, *kill], tmp, timeout=240,
+    killed = run_mmssl([*_args("mae", runs["killed"], tiny_demo, TINY_MAE_FLAGS, 4), *FSDP2, *kill], tmp, timeout=240,
                        killed=True)
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-4000:]
     shutil.copytree(runs["killed"] / "kept" / "step=2.ckpt", tmp / "step2.ckpt")
-    _ok(run_mmssl([*_args("mae", runs["killed"], tiny_demo, TINY_MAE, 4), *FSDP2, "--ckpt_path", "last"],
+    _ok(run_mmssl([*_args("mae", runs["killed"], tiny_demo, TINY_MAE_FLAGS, 4), *FSDP2, "--ckpt_path", "last"],
                   tmp, timeout=240))
     return tmp, runs
 
@@ -109,7 +105,8 @@ def test_a_checkpoint_resumes_elsewhere_with_exactly_its_weights(where, mae_runs
     world = {"fsdp2 on 1": [*FSDP2, *ONE], "ddp from the folder": DDP, "fsdp2 from a ddp file": FSDP2,
              "fsdp2 on 3": [*FSDP2, "--trainer.devices=3", "--trainer.strategy.init_args.data_parallel_size=3"]}[where]
     root = tmp / where.replace(" ", "_")
-    _ok(run_mmssl([*_args("mae", root, tiny_demo, TINY_MAE, 3), *world, "--ckpt_path", str(source)], tmp, timeout=300))
+    _ok(run_mmssl([*_args("mae", root, tiny_demo, TINY_MAE_FLAGS, 3), *world, "--ckpt_path", str(source)], tmp,
+                  timeout=300))
     start = _params(root, "start_rank0.pt")
     differ = [k for k in saved["state_dict"] if not torch.equal(start[k], saved["state_dict"][k])]
     assert not differ, f"{where}: resumed other weights than the checkpoint's: {differ}"
@@ -289,7 +286,8 @@ def test_fsdp2_mixed_precision_with_activation_checkpointing_trains_and_evaluate
 
     keys = ["--trainer.strategy.init_args.param_dtype=bfloat16", "--trainer.strategy.init_args.reduce_dtype=float32",
             "--model.init_args.grad_checkpointing=true"]
-    _ok(run_mmssl([*_args("mae", tmp_path / "bf16", tiny_demo, TINY_MAE, 2), *FSDP2, *keys], tmp_path, timeout=240))
+    _ok(run_mmssl([*_args("mae", tmp_path / "bf16", tiny_demo, TINY_MAE_FLAGS, 2), *FSDP2, *keys], tmp_path,
+                  timeout=240))
     logged = last_metrics(tmp_path / "bf16" / "version_0", ("val/", "health/"))
     assert math.isfinite(logged["val/loss"]) and "health/rankme" in logged
     state = read_checkpoint(str(tmp_path / "bf16" / "kept" / "step=2.ckpt"))["state_dict"]

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from mmssl.checkpoints.read import read_checkpoint
-from tests.checkpoints.test_fsdp2 import DDP, FSDP2, TINY_MAE, _args, _ok, _params
+from tests.checkpoints.test_fsdp2 import DDP, FSDP2, _args, _ok, _params
 from tests.cli_runs import last_metrics, run_mmssl
+from tests.tiny import TINY_MAE_FLAGS
 
 
 def test_fsdp2_m3ae_trains_as_ddp(tmp_path, tiny_demo):
-    model = [*TINY_MAE, "--model.init_args.blr=0.05", "--model.init_args.warmup_steps=1"]
+    model = [*TINY_MAE_FLAGS, "--model.init_args.blr=0.05", "--model.init_args.warmup_steps=1"]
     for name, strategy in (("fsdp2", FSDP2), ("ddp", DDP)):
         _ok(run_mmssl([*_args("m3ae", tmp_path / name, tiny_demo, model, 3), *strategy], tmp_path, timeout=240))
     fsdp2, ddp = _params(tmp_path / "fsdp2"), _params(tmp_path / "ddp")

@@ -23,9 +23,8 @@ from mmssl.export.hub import TIMM_MODELS
 from mmssl.models import ImageClassifier
 from mmssl.models.m3ae import M3AE
 from mmssl.models.mae import MAE
+from tests.tiny import TINY_MAE
 
-TINY_MAE = dict(image_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, decoder_embed_dim=32,
-                decoder_depth=1, decoder_num_heads=2)
 TINY_M3AE = dict(TINY_MAE, text_length=8)
 TINY_VIT = dict(num_classes=3, model_name="vit_tiny_patch16_224", image_size=32, mixup=0.0, cutmix=0.0,
                 model_kwargs=dict(patch_size=8, embed_dim=32, depth=1, num_heads=2))

@@ -18,10 +18,9 @@ import yaml
 from mmssl.checkpoints.resume import JOB_FILE, RUN_ENV, export_plan, is_global_rank_zero, plan_run, reserve_folder
 from mmssl.cli import cli_main
 from tests.cli_runs import cli_env
+from tests.tiny import TINY_MAE
 
-TINY_MAE = {"class_path": "mmssl.models.mae.MAE", "init_args": {
-    "image_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2,
-    "decoder_embed_dim": 32, "decoder_depth": 1, "decoder_num_heads": 2}}
+TINY_MAE_MODEL = {"class_path": "mmssl.models.mae.MAE", "init_args": TINY_MAE}
 
 
 def tiny_config(tmp_path: Path, demo_root: str, max_steps: int, **trainer) -> str:
@@ -34,7 +33,7 @@ def tiny_config(tmp_path: Path, demo_root: str, max_steps: int, **trainer) -> st
                     "limit_val_batches": 1, "val_check_interval": max_steps,
                     "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                                    "init_args": {"save_last": True, "every_n_train_steps": 2}}], **trainer},
-        "model": TINY_MAE,
+        "model": TINY_MAE_MODEL,
         "data": {"class_path": "mmssl.data.datamodule.ImageTextDataModule",
                  "init_args": {"batch_size": 8, "num_workers": 0, "demo_dir": demo_root}},
     }

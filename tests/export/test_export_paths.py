@@ -15,12 +15,9 @@ import timm
 import torch
 
 from mmssl.models.mae import MAE
+from tests.tiny import TINY_MAE
 
 REPO = Path(__file__).resolve().parents[2]
-TINY_MAE = dict(image_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2, decoder_embed_dim=32,
-                decoder_depth=1, decoder_num_heads=2)
-
-
 def _main(argv) -> int:
     spec = importlib.util.spec_from_file_location("export_tool", REPO / "tools/export.py")
     module = importlib.util.module_from_spec(spec)

@@ -16,7 +16,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -26,6 +25,7 @@ import mmssl.models.gradcache as gradcache_module
 from mmssl.callbacks.guards import NonFiniteGuard
 from mmssl.models.clip import CLIP
 from mmssl.models.masking import Masking
+from tests.helpers import run_two_ranks
 
 BATCH = 8
 CAPTIONS = [f"a {c} {s}" for c in ("red", "blue") for s in ("circle", "square", "star", "cross")]
@@ -247,11 +247,7 @@ def _worker(local_rank: int, init_file: str, json_path: str, out_file: str) -> N
 
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory, tiny_clip_json) -> list[dict]:
-    folder = tmp_path_factory.mktemp("gradcache_dist")
-    out_file = str(folder / "results")
-    mp.start_processes(_worker, args=(str(folder / "init"), tiny_clip_json, out_file), nprocs=WORLD,
-                       start_method="fork")
-    return [torch.load(f"{out_file}.{r}", weights_only=False) for r in range(WORLD)]
+    return run_two_ranks(_worker, tmp_path_factory.mktemp("gradcache_dist"), tiny_clip_json)
 
 
 @pytest.mark.parametrize("loss", ["clip", "siglip"])

@@ -1,8 +1,6 @@
 """tools/linear_probe.py and tools/zero_shot.py on tiny checkpoints of each kind users have."""
 
 import json
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,18 +9,9 @@ import torch
 
 from mmssl.checkpoints import read_checkpoint
 from mmssl.cli import main
+from tests.cli_runs import run_tool
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def run_tool(name: str, args: list[str], monkeypatch) -> int:
-    """``python tools/NAME ARGS`` in-process: its exit status."""
-    monkeypatch.setattr(sys, "argv", [name, *args])
-    try:
-        runpy.run_path(str(REPO / "tools" / name), run_name="__main__")
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
-    return 0
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import re
-import runpy
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,16 +18,10 @@ from mmssl.data.demo import SHAPES
 from mmssl.models.clip import CLIP
 from mmssl.models.mae import MAE
 from mmssl.visualize.scaling import power_law, read_run
-from tests.cli_runs import PG_TIMEOUT, REPO, run_mmssl, run_one_process
+from tests.cli_runs import PG_TIMEOUT, REPO, run_mmssl, run_one_process, run_tool
+from tests.tiny import tiny_mae
 
-TINY_MAE = dict(image_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=32,
-                decoder_depth=1, decoder_num_heads=2)
-
-
-def run_tool(name: str, args: list[str], monkeypatch) -> int:
-    """The tool's ``main(args)`` in-process: its exit status."""
-    monkeypatch.setattr(sys, "argv", [name, *args])
-    return runpy.run_path(str(REPO / "tools" / name), run_name="not_main")["main"](args)
+TINY_MAE = tiny_mae(depth=2)
 
 
 def pngs(folder: Path) -> list[str]:
