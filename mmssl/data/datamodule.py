@@ -235,7 +235,7 @@ class ImageTextDataModule(pl.LightningDataModule):
         if stage == "fit":
             # Plan the streams now: setup runs before the model is moved to its device, so a
             # missing shard, an empty folder or too few shards for ranks x workers fails here,
-            # before any accelerator time is spent.
+            # before any accelerator time is spent. The loaders plan theirs again (train_dataloader).
             rank, world = self._rank_world()
             for key, data, train in (("train_data", self.train_data, True), ("val_data", self.val_data, False)):
                 if data:
@@ -335,6 +335,9 @@ class ImageTextDataModule(pl.LightningDataModule):
         return self.trainer.current_epoch if self.trainer is not None else None
 
     def train_dataloader(self) -> EpochLoader:
+        # The stream is planned here again, not kept from setup's check: a resumed run's seed is
+        # restored after setup (load_state_dict), and the plan deals the shards by the seed. A plan
+        # takes well under a second (tests/data/test_stream_plan.py, a LAION-sized layout).
         rank, world = self._rank_world()
         stream = self.build_stream(self.train_data, True, rank, world)
         if self._loaded is not None:
@@ -366,7 +369,9 @@ class ImageTextDataModule(pl.LightningDataModule):
         """Strip the stream metadata; in training, advance the position and log ``data/skipped``.
 
         With ``trim_text_padding``, also cut the tokens after the batch's longest caption (here, on
-        the CPU, so finding the length never waits for an accelerator)."""
+        the CPU, so finding the length never waits for an accelerator). ``CLIP.encode_text`` trims
+        tokens still on the CPU, for its other callers (zero-shot prompts, tools); it cannot trim
+        these batches once they are on an accelerator, hence the trim here too."""
         if not isinstance(batch, dict) or "__worker__" not in batch:
             return batch
         if self.trim_text_padding and "text" in batch:

@@ -264,7 +264,11 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         if not self.trim_text_padding:
             return model.encode_text(tokens, normalize=normalize)
         if tokens.device.type == "cpu":
-            tokens = trim_text_padding(tokens)  # free on CPU; on GPU it would wait for the device
+            # Free on CPU; on GPU it would wait for the device. Not a duplicate of the data module's
+            # trim: that one covers the batches bound for an accelerator (never trimmed here), this
+            # one the tokens that come from elsewhere, padded to the context (zero-shot prompts,
+            # evaluation.runner, visualize.similarity, tools); a batch trimmed there is a no-op here.
+            tokens = trim_text_padding(tokens)
         length = tokens.shape[1]
         if length == model.context_length:
             return model.encode_text(tokens, normalize=normalize)
