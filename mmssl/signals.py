@@ -63,6 +63,11 @@ def install_sigterm_watchdog(grace_s: float | None = None) -> bool:
     grace = sigterm_grace_s() if grace_s is None else float(grace_s)
     if not math.isfinite(grace) or grace < 0:
         raise ValueError(f"grace_s={grace_s!r}: expected a number of seconds >= 0")
+    global _FORK_HOOKED
+    if not _FORK_HOOKED:
+        # SIGTERM is held across the fork, so none reaches the child before it has let go.
+        os.register_at_fork(before=_hold_sigterm, after_in_parent=_release_sigterm, after_in_child=_in_forked_child)
+        _FORK_HOOKED = True
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     try:
@@ -84,12 +89,6 @@ def install_sigterm_watchdog(grace_s: float | None = None) -> bool:
                 os._exit(128 + signal.SIGTERM)
 
     threading.Thread(target=watch, name="mmssl-sigterm-watchdog", daemon=True).start()
-    global _FORK_HOOKED
-    if not _FORK_HOOKED:
-        # SIGTERM is held across the fork, so none reaches the child before it has let go.
-        os.register_at_fork(before=_hold_sigterm, after_in_parent=_release_sigterm,
-                            after_in_child=_forget_wakeup_fd)
-        _FORK_HOOKED = True
     return True
 
 
@@ -106,16 +105,34 @@ def _release_sigterm() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, _MASK_BEFORE_FORK)
 
 
-def _forget_wakeup_fd() -> None:
-    """In a forked child (a data loader worker): stop writing its signals to the parent's pipe.
+# What a forked child does with a signal its parent handles in Python. The handlers a fork keeps are
+# the rank's (Lightning's): on SIGTERM, Lightning's broadcasts over the rank's process group, whose
+# sockets the child shares, so a data-loader worker that torch ends with SIGTERM (one slow to exit
+# at a loader's shutdown) sent or awaited a collective message on its rank's connections, with the
+# sequence number of the rank's next collective: that collective then waited until the timeout. On
+# SLURM's SIGUSR1 (sent to every process of the step: tools/slurm/train.sbatch), Lightning's saves a
+# checkpoint and requeues the job. A worker takes SIGTERM's default (torch's terminate() ends it)
+# and leaves SIGUSR1 / SIGUSR2 to its rank.
+_IN_FORKED_CHILD = {signal.SIGTERM: signal.SIG_DFL, signal.SIGUSR1: signal.SIG_IGN, signal.SIGUSR2: signal.SIG_IGN}
 
-    A fork keeps the wakeup descriptor and the Python handlers, so a worker that torch's loader
-    ends with SIGTERM (one slow to exit at shutdown) would write SIGTERM into its rank's pipe, and
-    the rank's watchdog would end a healthy run one grace period later."""
+
+def _in_forked_child() -> None:
+    """In a forked child (a data loader worker): its signals are its own.
+
+    A fork keeps the wakeup descriptor and the Python handlers: a worker would write its SIGTERM
+    into its rank's pipe (the rank's watchdog would end a healthy run one grace period later) and
+    run the rank's handlers (``_IN_FORKED_CHILD``). Python handlers are replaced before SIGTERM,
+    held across the fork, is let through."""
     try:
         signal.set_wakeup_fd(-1)
     except ValueError:  # forked from another thread: that child has no wakeup descriptor to clear
         pass
+    for signum, action in _IN_FORKED_CHILD.items():
+        if callable(signal.getsignal(signum)):
+            try:
+                signal.signal(signum, action)
+            except ValueError:  # not the child's main thread
+                pass
     _release_sigterm()
 
 
