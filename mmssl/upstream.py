@@ -388,3 +388,25 @@ def replace_timm_augment_fn(transform: Any, old: Callable, new: Callable) -> int
                 aug.aug_fn = new
                 changed += 1
     return changed
+
+
+# transformers ------------------------------------------------------------------------------------
+
+
+def transformers_config_origin(config: Any) -> str:
+    """The Hub repository a transformers folder was downloaded from, as its ``config.json`` records
+    it, or ``""`` where it records none.
+
+    Assumes the ``_name_or_path`` key that transformers 4 wrote into every ``config.json`` it saved
+    (so into the Hub's files: ``"openai/clip-vit-base-patch32"``) comes back, on
+    ``PretrainedConfig.from_pretrained`` of the local folder, as the config's public
+    ``name_or_path``. transformers 5 no longer writes the key; such folders give ``""``. No public
+    API records where a folder came from.
+
+    Args:
+        config: a ``transformers.PretrainedConfig`` read from a local folder.
+
+    Returns:
+        The repository name, or ``""``.
+    """
+    return config.name_or_path or ""

@@ -8,6 +8,7 @@ instead of silently changing a user's run.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -482,3 +483,27 @@ def test_fsdp2_forget_forward_order_empties_the_record_a_backward_prefetches_by(
             "torch", "FSDPParamGroup.comm_ctx.post_forward_order", "a no-grad forward no longer records its units")
         upstream.fsdp2_forget_forward_order(model)
         assert group.comm_ctx.post_forward_order == [] and group._post_forward_indices == []
+
+
+# transformers ------------------------------------------------------------------------------------
+
+
+def test_transformers_config_reads_back_the_hub_name_its_config_json_records(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tiny = dict(hidden_size=32, intermediate_size=37, num_attention_heads=2, num_hidden_layers=1)
+    transformers.CLIPConfig(text_config=tiny, vision_config=dict(tiny, image_size=32, patch_size=8)).save_pretrained(
+        tmp_path)
+
+    def origin() -> str:
+        return upstream.transformers_config_origin(transformers.CLIPConfig.from_pretrained(tmp_path,
+                                                                                           local_files_only=True))
+
+    # A folder this transformers wrote records no origin: the teacher's message then says REPO.
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert origin() == saved.get("_name_or_path", ""), _changed(
+        "transformers", "PretrainedConfig.name_or_path", f"a saved folder reads back {origin()!r}")
+    # A Hub download (config.json written by transformers 4) records the repository.
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "_name_or_path": "openai/clip-vit-base-patch32"}))
+    assert origin() == "openai/clip-vit-base-patch32", _changed(
+        "transformers", "config.json's _name_or_path / PretrainedConfig.name_or_path",
+        f"a config.json naming openai/clip-vit-base-patch32 reads back {origin()!r}")

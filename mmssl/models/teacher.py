@@ -38,6 +38,7 @@ from mmssl.checkpoints import UnsafeCheckpointError, read_state_dict
 from mmssl.checkpoints.model_file import HF, LIGHTNING, OPEN_CLIP_HF, STATE_DICT, ModelFile, read_model_file
 from mmssl.models.lora import LORA_BASE
 from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
+from mmssl.upstream import transformers_config_origin
 
 KEY = "model.init_args.distill.teacher"
 OPEN_CLIP_HF_CONFIG, OPEN_CLIP_HF_WEIGHTS = "open_clip_config.json", "open_clip_model.safetensors"
@@ -215,7 +216,7 @@ def _hf_teacher(folder: str) -> Teacher:
 
 def _hf_tokenizer(folder: str, context_length: int, config: Any) -> Callable:
     if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "vocab.json")):
-        origin = getattr(config, "_name_or_path", "") or "REPO"
+        origin = transformers_config_origin(config) or "REPO"
         raise FileNotFoundError(
             f"{KEY}: the teacher folder {folder!r} has no tokenizer files (tokenizer.json or vocab.json + "
             f"merges.txt), and mmssl never downloads: fetch them once (huggingface-cli download {origin} "
