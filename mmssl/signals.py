@@ -106,13 +106,12 @@ def _release_sigterm() -> None:
 
 
 # What a forked child does with a signal its parent handles in Python. The handlers a fork keeps are
-# the rank's (Lightning's): on SIGTERM, Lightning's broadcasts over the rank's process group, whose
-# sockets the child shares, so a data-loader worker that torch ends with SIGTERM (one slow to exit
-# at a loader's shutdown) sent or awaited a collective message on its rank's connections, with the
-# sequence number of the rank's next collective: that collective then waited until the timeout. On
-# SLURM's SIGUSR1 (sent to every process of the step: tools/slurm/train.sbatch), Lightning's saves a
-# checkpoint and requeues the job. A worker takes SIGTERM's default (torch's terminate() ends it)
-# and leaves SIGUSR1 / SIGUSR2 to its rank.
+# the rank's (Lightning's), which act for the trainer: on SLURM's SIGUSR1 (sent to every process of
+# the job step: tools/slurm/train.sbatch), Lightning's saves a checkpoint, with collectives over the
+# rank's process group whose connections the child shares, and requeues the job; so each data-loader
+# worker did, beside its rank. On SIGTERM, Lightning's broadcasts over that group; torch's loader
+# workers replace it with their own handler once started (checked: tests/test_signals.py), other
+# forked children did not. A child takes SIGTERM's default and leaves SIGUSR1 / SIGUSR2 to its rank.
 _IN_FORKED_CHILD = {signal.SIGTERM: signal.SIG_DFL, signal.SIGUSR1: signal.SIG_IGN, signal.SIGUSR2: signal.SIG_IGN}
 
 
