@@ -120,6 +120,19 @@ def test_hpc_resumes_only_from_lightnings_slurm_saves(tmp_path):
         plan_run(str(tmp_path), "hpc", env={})
 
 
+def test_hpc_resumes_a_sharded_slurm_save(tmp_path):
+    """Under FSDP2 Lightning's SLURM save (SIGUSR1, then the requeue's ``--ckpt_path hpc``) is a DCP
+    folder named hpc_ckpt_N.ckpt: it is the HPC candidate, and one without its metadata is passed over."""
+    run = tmp_path / "version_0"
+    hpc = _sharded(run / "hpc_ckpt_2.ckpt", 2, age=60)
+    _sharded(run / "checkpoints" / "last.ckpt", 7)  # newer, but not an HPC save
+    torn = _sharded(run / "hpc_ckpt_3.ckpt", 3, age=30)
+    (torn / ".metadata").unlink()  # the job ended during the save
+    plan = plan_run(str(tmp_path), "hpc", env={})
+    assert (plan.version, plan.ckpt_path, plan.resume_step, plan.continued) == (0, str(hpc), 2, True)
+    assert any(n.startswith(f"passed over {torn}: an incomplete sharded checkpoint") for n in plan.notes), plan.notes
+
+
 def test_a_newer_configured_checkpoint_is_resumed_in_a_new_folder_and_each_file_passed_over_is_named_once(tmp_path):
     own = _ckpt(tmp_path / "version_0" / "checkpoints" / "last.ckpt", 4, age=60)
     shared = _ckpt(tmp_path / "shared" / "last.ckpt", 6)  # ModelCheckpoint(dirpath=shared): newer
