@@ -107,3 +107,12 @@ def test_a_caption_cut_at_seq_len_is_scored_with_its_end_of_text(num_beams):
     model.logits[0, 2, :, [EOS, *WORDS]] = torch.tensor([0.01, 0.6, 0.39]).log()
     got = beam_search(model, torch.arange(1), SOT, EOS, PAD, num_beams=num_beams, seq_len=3, min_seq_len=1)
     assert got.tolist() == [[SOT, EOS]]
+    # Normalised by its 2 tokens: "a <end>" (log 0.35 + log 0.86) / 2 = -0.60 loses to "<end>"
+    # (log 0.607 = -0.50) by a little; divided by 3, it (-0.40) would win.
+    model.logits[0, 1, SOT, [EOS, *WORDS]] = torch.tensor([0.607, 0.35, 0.043]).log()
+    model.logits[0, 2, :, [EOS, *WORDS]] = torch.tensor([0.861, 0.1, 0.039]).log()
+    got = beam_search(model, torch.arange(1), SOT, EOS, PAD, num_beams=num_beams, seq_len=3, min_seq_len=1)
+    assert got.tolist() == [[SOT, EOS]]
+    model.logits[0, 1, SOT, EOS] = torch.tensor(0.5).log()  # log 0.5 = -0.69: now the cut caption wins
+    got = beam_search(model, torch.arange(1), SOT, EOS, PAD, num_beams=num_beams, seq_len=3, min_seq_len=1)
+    assert got.tolist() == [[SOT, WORDS[0], EOS]]
