@@ -75,3 +75,18 @@ def test_refusals_name_the_teacher_option_and_the_file(tmp_path, teacher_file, t
     assert str(info.value).endswith("(name the right one with model.init_args.distill.teacher_model)")
     teacher = load_teacher(str(state), tiny_clip_json)
     assert teacher.source == str(state) and teacher.embed_dim == 32 and teacher.image_size == 32
+
+
+def test_a_teachers_width_is_its_embedding_width_not_its_text_towers(tiny_clip_json, tmp_path):
+    """A teacher whose text tower is wider than its embedding (RN50: 512 wide, 1024-d embeddings;
+    here 32 and 24): its width, which the distillation projection and stored embeddings check, is
+    the embedding's."""
+    config = json.loads(open(tiny_clip_json).read())
+    config["embed_dim"] = 24
+    (tmp_path / "narrow.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    teacher = load_teacher(str(save_lightning(CLIP(str(tmp_path / "narrow.json")), tmp_path / "narrow.ckpt")))
+    assert teacher.embed_dim == 24
+    with torch.no_grad():
+        assert teacher.encode_text(torch.ones(2, 16, dtype=torch.long)).shape == (2, 24)
+        assert teacher.encode_image(torch.randn(2, 3, 32, 32)).shape == (2, 24)
