@@ -10,7 +10,9 @@ order: an explicit ``model_class``; the class path LightningCLI records
 (``hyper_parameters._class_path``); ``model.class_path`` in the run's ``config.yaml``
 (``RUN/config.yaml`` beside ``RUN/checkpoints/FILE``); the weights' layout
 (:func:`mmssl.checkpoints.layouts.detect_kind`, which does not depend on the table's order). A
-class the table does not list is refused, never imported.
+class the table does not list is refused, never imported. An export folder's model is built by
+:func:`mmssl.checkpoints.folders.build_folder`, the one builder the teacher and the evaluation
+encoders share.
 
 This module sits below the models: it builds none. Only :func:`kind_class` imports a class, at call
 time and from the table's own path (the renamed init arguments are the class's statement,
@@ -28,46 +30,22 @@ from typing import Any, Collection, Mapping, Optional
 
 import yaml
 
+from mmssl.checkpoints.folders import folder_format
 from mmssl.checkpoints.layouts import KINDS, ModelKind, StateDict, detect_kind, kind_named, strip_ddp
-from mmssl.checkpoints.read import checkpoint_exists, is_dcp_folder, lightning_weights, read_checkpoint
+from mmssl.checkpoints.read import checkpoint_exists, lightning_weights, read_checkpoint
 from mmssl.renames import upgrade_init_args
 from mmssl.upstream import lightning_cli_class_path
 
 # The forms a model file takes: a Lightning checkpoint (file or sharded folder), a bare state dict,
-# and the export folders (open_clip's hub folder, a transformers CLIPModel folder, a timm hub folder).
-LIGHTNING, STATE_DICT, OPEN_CLIP_HF, HF, TIMM = "lightning", "state_dict", "open_clip_hf", "hf", "timm"
-OPEN_CLIP_HF_CONFIG = "open_clip_config.json"
+# and the export folders (open_clip's hub folder, a transformers CLIPModel folder, a timm hub folder:
+# :mod:`mmssl.checkpoints.folders`, which builds their models).
+LIGHTNING, STATE_DICT = "lightning", "state_dict"
 RUN_CONFIG = "config.yaml"
 
 
 def model_class_names() -> tuple[str, ...]:
     """``--model-class`` choices: the table's classes by short name, then by class path."""
     return (*(k.name for k in KINDS), *(k.class_path for k in KINDS))
-
-
-def folder_format(path: str) -> Optional[str]:
-    """Which export folder ``path`` is: ``"open_clip_hf"``, ``"timm"``, ``"hf"``, or ``None`` (a file
-    or a sharded checkpoint folder).
-
-    Raises:
-        ValueError: a folder that is none of them (its files named).
-    """
-    if not os.path.isdir(path) or is_dcp_folder(path):
-        return None
-    if os.path.isfile(os.path.join(path, OPEN_CLIP_HF_CONFIG)):
-        return OPEN_CLIP_HF
-    config = os.path.join(path, "config.json")
-    if os.path.isfile(config):
-        import json
-
-        with open(config, encoding="utf-8") as f:
-            data = json.load(f)
-        if "architecture" in data:
-            return TIMM
-        if data.get("model_type") == "clip" or "CLIPModel" in (data.get("architectures") or []):
-            return HF
-    raise ValueError(f"{path}: not an export folder (open_clip_config.json, a timm config.json or a transformers "
-                     f"CLIPModel config.json); it holds {sorted(os.listdir(path))[:8]}")
 
 
 def recorded_class(path: str, checkpoint: Mapping[str, Any]) -> Optional[str]:

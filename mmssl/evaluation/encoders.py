@@ -6,8 +6,8 @@ Every loader returns a module with the probe protocol (``mmssl.evaluation.featur
 ``encode_text`` and ``tokenizer`` for zero-shot. Lightning checkpoints are built as one of the kinds
 of the one table (:mod:`mmssl.checkpoints.load`): ``MAE``, ``CLIP``, and the fine-tuned
 ``ImageClassifier`` (its ViT without the head: ``encode_image`` is the pooled pre-logits feature).
-Export folders (:func:`load_encoder`) are built from their config and their weights read through
-:func:`mmssl.checkpoints.read_state_dict`, never by the library's own loader.
+Export folders (:func:`load_encoder`) are built by :func:`mmssl.checkpoints.folders.build_folder`,
+the builder the distillation teacher shares, and wrapped here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import open_clip
 import timm
@@ -23,10 +23,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmssl.checkpoints import read_state_dict
+from mmssl.checkpoints.folders import (
+    HF,
+    OPEN_CLIP_HF,
+    TIMM,
+    FolderModel,
+    build_folder,
+    folder_format,
+    open_clip_image_settings,
+    timm_image_settings,
+)
 from mmssl.checkpoints.load import load_lightning, model_class_names, open_clip_module
-from mmssl.checkpoints.model_file import folder_format
 from mmssl.checkpoints.read import checkpoint_exists
-from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD
 from mmssl.models.classifier import vit_block_features, vit_probe_tokens
 
 __all__ = ["HFClipEncoder", "OpenClipEncoder", "TimmEncoder", "add_checkpoint_arguments", "add_ema_argument",
@@ -44,10 +52,7 @@ class TimmEncoder(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        config = timm.data.resolve_data_config(model=model)
-        size = getattr(getattr(model, "patch_embed", None), "img_size", None) or config["input_size"][1:]
-        self.image_size = int(size[0])
-        self.image_mean, self.image_std = tuple(config["mean"]), tuple(config["std"])
+        self.image_size, self.image_mean, self.image_std = timm_image_settings(model)
         self.num_prefix_tokens = int(getattr(model, "num_prefix_tokens", 1))
 
     def encode_image(self, images: Tensor) -> Tensor:
@@ -164,9 +169,7 @@ class OpenClipEncoder(nn.Module):
     def __init__(self, model: nn.Module, tokenizer) -> None:
         super().__init__()
         self.model, self.tokenizer = model, tokenizer
-        size = model.visual.image_size
-        self.image_size = int(size[0] if isinstance(size, (tuple, list)) else size)
-        self.image_mean, self.image_std = tuple(model.visual.image_mean), tuple(model.visual.image_std)
+        self.image_size, self.image_mean, self.image_std = open_clip_image_settings(model)
 
     def encode_image(self, images: Tensor, normalize: bool = True) -> Tensor:
         """(B, 3, H, W) -> (B, D) image embeddings."""
@@ -182,20 +185,16 @@ class HFClipEncoder(nn.Module):
 
     Args:
         model: the ``CLIPModel``, weights loaded.
-        tokenizer: its ``CLIPTokenizer``; texts are padded to the model's context length.
-        image_size, image_mean, image_std: from ``preprocessor_config.json``.
+        tokenizer: texts -> (B, L) token ids, padded and truncated to the model's context length.
+        image_size, image_mean, image_std: the model's input size and ``preprocessor_config.json``'s normalisation.
     """
 
-    def __init__(self, model: nn.Module, tokenizer, image_size: int, image_mean: tuple, image_std: tuple) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Callable, image_size: int, image_mean: tuple,
+                 image_std: tuple) -> None:
         super().__init__()
-        self.model, self._hf_tokenizer = model, tokenizer
+        self.model, self.tokenizer = model, tokenizer
         self.context_length = int(model.config.text_config.max_position_embeddings)
         self.image_size, self.image_mean, self.image_std = image_size, tuple(image_mean), tuple(image_std)
-
-    def tokenizer(self, texts: list[str]) -> Tensor:
-        """Texts -> (B, L) token ids, padded and truncated to the context length."""
-        return self._hf_tokenizer(list(texts), padding="max_length", truncation=True,
-                                  max_length=self.context_length, return_tensors="pt")["input_ids"]
 
     def encode_image(self, images: Tensor, normalize: bool = True) -> Tensor:
         """(B, 3, H, W) -> (B, D) projected image embeddings."""
@@ -210,14 +209,9 @@ class HFClipEncoder(nn.Module):
         return F.normalize(out, dim=-1) if normalize else out
 
 
-def _read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def export_format(path: str) -> Optional[str]:
     """Which export folder ``path`` is: ``"open_clip_hf"``, ``"timm"``, ``"hf"``, or ``None`` (a file
-    or a sharded checkpoint folder): :func:`mmssl.checkpoints.model_file.folder_format`.
+    or a sharded checkpoint folder): :func:`mmssl.checkpoints.folders.folder_format`.
 
     Raises:
         ValueError: a folder that is none of them (its files named).
@@ -225,44 +219,15 @@ def export_format(path: str) -> Optional[str]:
     return folder_format(path)
 
 
-def _weights(folder: str, *names: str) -> dict[str, Tensor]:
-    path = next((os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))), None)
-    if path is None:
-        raise FileNotFoundError(f"{folder}: no weights file ({' or '.join(names)})")
-    return read_state_dict(path)
-
-
-def load_open_clip_folder(folder: str) -> OpenClipEncoder:
-    """An open_clip hub folder: the model built from ``open_clip_config.json``, weights strict."""
-    model = open_clip.create_model(f"local-dir:{folder}", load_weights=False)
-    model.load_state_dict(_weights(folder, "open_clip_model.safetensors", "open_clip_pytorch_model.bin"))
-    return OpenClipEncoder(model, open_clip.get_tokenizer(f"local-dir:{folder}")).eval()
-
-
-def load_timm_folder(folder: str) -> TimmEncoder:
-    """A timm hub folder: ``config.json``'s architecture and ``model_args``, head dropped."""
-    config = _read_json(os.path.join(folder, "config.json"))
-    model = timm.create_model(config["architecture"], pretrained=False, pretrained_cfg=config.get("pretrained_cfg"),
-                              **{**config.get("model_args", {}), "num_classes": 0})
-    state = {k: v for k, v in _weights(folder, "model.safetensors", "pytorch_model.bin").items()
-             if not k.startswith("head.")}  # a fine-tuned classifier's head: the probes read pre-logits
-    model.load_state_dict(state)
-    return TimmEncoder(model).eval()
-
-
-def load_hf_folder(folder: str) -> HFClipEncoder:
-    """A transformers ``CLIPModel`` folder, with its tokenizer and preprocessing sizes."""
-    try:
-        from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
-    except ImportError as err:
-        raise ImportError(f"{folder} is a transformers folder: pip install -e '.[hf]'") from err
-    model = CLIPModel(CLIPConfig.from_pretrained(folder))
-    model.load_state_dict(_weights(folder, "model.safetensors", "pytorch_model.bin"))
-    pre = _read_json(os.path.join(folder, "preprocessor_config.json"))
-    crop = pre.get("crop_size", model.config.vision_config.image_size)
-    size = int(crop["height"] if isinstance(crop, dict) else crop)
-    return HFClipEncoder(model.eval(), CLIPTokenizer.from_pretrained(folder), size,
-                         pre.get("image_mean", OPENAI_MEAN), pre.get("image_std", OPENAI_STD)).eval()
+def folder_encoder(folder: FolderModel) -> nn.Module:
+    """An export folder's model (:func:`mmssl.checkpoints.folders.build_folder`) behind the probe protocol."""
+    if folder.format == OPEN_CLIP_HF:
+        return OpenClipEncoder(folder.model, folder.tokenizer).eval()
+    if folder.format == HF:
+        return HFClipEncoder(folder.model, folder.tokenizer, folder.image_size, folder.image_mean,
+                             folder.image_std).eval()
+    assert folder.format == TIMM, folder.format
+    return TimmEncoder(folder.model).eval()
 
 
 def load_encoder(path: str, model: Optional[str] = None, model_kwargs: Optional[dict] = None,
@@ -279,9 +244,10 @@ def load_encoder(path: str, model: Optional[str] = None, model_kwargs: Optional[
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"--ckpt: nothing at {path!r}")
-    loaders = {"open_clip_hf": load_open_clip_folder, "timm": load_timm_folder, "hf": load_hf_folder}
     kind = export_format(path)
     if kind and ema:
         raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this {kind} export folder "
                          "holds one set of weights (export the average with tools/export.py --ema)")
-    return loaders[kind](path) if kind else load_model(path, model, model_kwargs, model_class, ema)
+    if kind:
+        return folder_encoder(build_folder(path, format=kind))
+    return load_model(path, model, model_kwargs, model_class, ema)

@@ -15,6 +15,9 @@ Any of the files mmssl writes or reads for a CLIP is a teacher:
 * a transformers ``CLIPModel`` folder (``config.json`` + ``model.safetensors`` and the tokenizer
   files: ``tools/export.py --format hf``).
 
+A folder's model, tokenizer and image settings are :func:`mmssl.checkpoints.folders.build_folder`'s,
+the builder the evaluation encoders wrap too (:func:`mmssl.evaluation.encoders.load_encoder`).
+
 Every weight file is read by :func:`mmssl.checkpoints.read_checkpoint` (weights only: a file that
 pickles code is refused, naming it), nothing downloads, and a tokenizer that is not on disk fails
 at start-up with the command that fetches it. The teacher is built once, frozen
@@ -34,15 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mmssl.checkpoints import UnsafeCheckpointError, read_state_dict
-from mmssl.checkpoints.model_file import HF, LIGHTNING, OPEN_CLIP_HF, STATE_DICT, ModelFile, read_model_file
+from mmssl.checkpoints import UnsafeCheckpointError
+from mmssl.checkpoints.folders import HF, OPEN_CLIP_HF, TIMM, ImageSettings, build_folder, open_clip_image_settings
+from mmssl.checkpoints.model_file import LIGHTNING, ModelFile, read_model_file
 from mmssl.models.lora import LORA_BASE
 from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
-from mmssl.upstream import transformers_config_origin
 
 KEY = "model.init_args.distill.teacher"
-OPEN_CLIP_HF_CONFIG, OPEN_CLIP_HF_WEIGHTS = "open_clip_config.json", "open_clip_model.safetensors"
-HF_CONFIG, HF_WEIGHTS = "config.json", ("model.safetensors", "pytorch_model.bin")
+OPEN_CLIP_HF_WEIGHTS, HF_WEIGHTS = "open_clip_model.safetensors", ("model.safetensors", "pytorch_model.bin")
 
 
 def weights_file(path: str) -> str:
@@ -67,7 +69,10 @@ def sha256(path: str) -> str:
 def tokenizer_signature(model_name: str, tokenizer_dir: Optional[str]) -> tuple:
     """What decides an open_clip config's token ids: two configs with equal signatures tokenise
     every caption alike, so the student's tokens serve the teacher (the loader tokenises once)."""
-    text_cfg = open_clip.get_model_config(model_name).get("text_cfg", {})
+    return _text_signature(open_clip.get_model_config(model_name).get("text_cfg", {}), tokenizer_dir)
+
+
+def _text_signature(text_cfg: dict, tokenizer_dir: Optional[str]) -> tuple:
     hf_name = text_cfg.get("hf_tokenizer_name")
     return ("open_clip", hf_name, os.path.abspath(tokenizer_dir) if hf_name and tokenizer_dir else None,
             int(text_cfg.get("context_length", 77)), json.dumps(text_cfg.get("tokenizer_kwargs", {}), sort_keys=True))
@@ -81,27 +86,25 @@ class Teacher(nn.Module):
         tokenizer: captions -> (B, L) token ids for this model.
         signature: see :func:`tokenizer_signature`; equal to the student's when its tokens serve.
         source: the file or folder it was read from.
+        image: the input size, mean and std.
         hf: ``model`` is a transformers ``CLIPModel``.
+        weights: the weights file (hashed into :attr:`sha256`); default: :func:`weights_file` of ``source``.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Callable, signature: tuple, source: str, hf: bool = False) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Callable, signature: tuple, source: str, image: ImageSettings,
+                 hf: bool = False, weights: Optional[str] = None) -> None:
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.tokenizer, self.signature, self.source, self.hf = tokenizer, signature, source, hf
+        self.image_size, self.image_mean, self.image_std = image
         if hf:
-            vision, text = model.config.vision_config, model.config.text_config
-            self.image_size = int(vision.image_size)
-            self.context_length = int(text.max_position_embeddings)
+            self.context_length = int(model.config.text_config.max_position_embeddings)
             self.embed_dim = int(model.config.projection_dim)
-            self.image_mean, self.image_std = _hf_preprocess(source)
         else:
-            size = model.visual.image_size
-            self.image_size = int(size[0] if isinstance(size, (tuple, list)) else size)
             self.context_length = int(model.context_length)
             self.embed_dim = int(model.text_projection.shape[-1] if model.text_projection is not None
                                  else model.visual.output_dim)
-            self.image_mean, self.image_std = tuple(model.visual.image_mean), tuple(model.visual.image_std)
-        self.sha256 = sha256(source)
+        self.sha256 = sha256(weights or source)
         self.train(False)
 
     def train(self, mode: bool = True) -> "Teacher":
@@ -140,17 +143,6 @@ class Teacher(nn.Module):
         return int(getattr(self.model.config.text_config, "pad_token_id", 0) or 0) if self.hf else 0
 
 
-def _hf_preprocess(folder: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    path = os.path.join(folder, "preprocessor_config.json")
-    if not os.path.isfile(path):
-        from mmssl.data.transforms import OPENAI_MEAN, OPENAI_STD
-
-        return tuple(OPENAI_MEAN), tuple(OPENAI_STD)
-    with open(path) as f:
-        config = json.load(f)
-    return tuple(config["image_mean"]), tuple(config["image_std"])
-
-
 def _open_clip_teacher(path: str, name: str, state: dict, tokenizer_dir: Optional[str],
                        preprocess: Optional[dict] = None) -> Teacher:
     bias = {"init_logit_bias": 0.0} if "logit_bias" in state else {}  # its value comes from the weights
@@ -163,7 +155,8 @@ def _open_clip_teacher(path: str, name: str, state: dict, tokenizer_dir: Optiona
             f"{KEY}: the weights of {path} do not fit open_clip model {name!r}: "
             f"{str(err).splitlines()[0]} (name the right one with model.init_args.distill.teacher_model)"
         ) from None
-    return Teacher(model, build_tokenizer(name, tokenizer_dir), tokenizer_signature(name, tokenizer_dir), path)
+    return Teacher(model, build_tokenizer(name, tokenizer_dir), tokenizer_signature(name, tokenizer_dir), path,
+                   open_clip_image_settings(model))
 
 
 def _lightning_teacher(source: ModelFile, model_name: Optional[str], tokenizer_dir: Optional[str]) -> Teacher:
@@ -179,51 +172,16 @@ def _lightning_teacher(source: ModelFile, model_name: Optional[str], tokenizer_d
                               tokenizer_dir or hparams.get("tokenizer"))
 
 
-def _open_clip_hf_teacher(folder: str, tokenizer_dir: Optional[str]) -> Teacher:
-    with open(os.path.join(folder, OPEN_CLIP_HF_CONFIG)) as f:
-        config = json.load(f)
-    if "model_cfg" not in config:
-        raise ValueError(f"{KEY}: {os.path.join(folder, OPEN_CLIP_HF_CONFIG)} has no 'model_cfg'")
-    # open_clip registers model configs from files only: the folder's model_cfg is written to a
-    # temporary file (not into the folder, which may be read-only) and registered from there.
-    import tempfile
-
-    name = f"teacher_{sha256(folder)[:12]}"
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(os.path.join(tmp, f"{name}.json"), "w") as f:
-            json.dump(config["model_cfg"], f)
-        open_clip.add_model_config(os.path.join(tmp, f"{name}.json"))
-    state = _read_state(os.path.join(folder, OPEN_CLIP_HF_WEIGHTS))
-    return _open_clip_teacher(folder, name, state, tokenizer_dir, config.get("preprocess_cfg"))
-
-
-def _hf_teacher(folder: str) -> Teacher:
-    try:
-        from transformers import CLIPConfig, CLIPModel
-    except ImportError as err:
-        raise ImportError(f"{KEY}: {folder} is a transformers folder: pip install -e '.[hf]'") from err
-    config = CLIPConfig.from_pretrained(folder, local_files_only=True)
-    model = CLIPModel(config)
-    try:
-        model.load_state_dict(_read_state(weights_file(folder)))
-    except RuntimeError as err:
-        raise ValueError(
-            f"{KEY}: the weights of {folder} do not fit its config.json: {str(err).splitlines()[0]}"
-        ) from None
-    tokenizer = _hf_tokenizer(folder, int(config.text_config.max_position_embeddings), config)
-    return Teacher(model, tokenizer, ("transformers", os.path.abspath(folder)), folder, hf=True)
-
-
-def _hf_tokenizer(folder: str, context_length: int, config: Any) -> Callable:
-    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "vocab.json")):
-        origin = transformers_config_origin(config) or "REPO"
-        raise FileNotFoundError(
-            f"{KEY}: the teacher folder {folder!r} has no tokenizer files (tokenizer.json or vocab.json + "
-            f"merges.txt), and mmssl never downloads: fetch them once (huggingface-cli download {origin} "
-            f"--local-dir {folder})")
-    from open_clip.tokenizer import HFTokenizer
-
-    return HFTokenizer(folder, context_length=context_length)
+def _folder_teacher(path: str, format: str, tokenizer_dir: Optional[str]) -> Teacher:
+    if format == TIMM:
+        raise ValueError(f"{KEY}: {path} is a {format} export folder, an image model only; a teacher is a CLIP")
+    built = _read(lambda: build_folder(path, tokenizer_dir, format), path)
+    image = (built.image_size, built.image_mean, built.image_std)
+    if format == HF:
+        signature = ("transformers", os.path.abspath(path))
+        return Teacher(built.model, built.tokenizer, signature, path, image, hf=True, weights=built.weights)
+    signature = _text_signature(built.config.get("text_cfg", {}), built.tokenizer_dir)
+    return Teacher(built.model, built.tokenizer, signature, path, image, weights=built.weights)
 
 
 def load_teacher(path: str, model_name: Optional[str] = None, tokenizer_dir: Optional[str] = None,
@@ -234,7 +192,8 @@ def load_teacher(path: str, model_name: Optional[str] = None, tokenizer_dir: Opt
         path: Lightning checkpoint, open_clip state dict, ``open_clip_hf`` or transformers folder.
         model_name: the open_clip model name or JSON config of a state-dict file (and an override
             of what an mmssl checkpoint records).
-        tokenizer_dir: local folder of the teacher's Hugging Face tokenizer, when its config names one.
+        tokenizer_dir: local folder of the teacher's Hugging Face tokenizer, when its config names one
+            (of an ``open_clip_hf`` folder, default: the folder itself).
         ema: a Lightning checkpoint's EMA of the weights (``mmssl.callbacks.EMA``) instead of its raw
             weights, the default; refused for a file or folder without one.
 
@@ -251,14 +210,10 @@ def load_teacher(path: str, model_name: Optional[str] = None, tokenizer_dir: Opt
     if not os.path.exists(path):
         raise FileNotFoundError(f"{KEY}: no teacher file or folder at {path!r}")
     source = _read(lambda: read_model_file(path, ema, kinds=("CLIP",), where=KEY), path)
-    if source.format == OPEN_CLIP_HF:
-        return _open_clip_hf_teacher(path, tokenizer_dir)
-    if source.format == HF:
-        return _hf_teacher(path)
+    if source.format in (OPEN_CLIP_HF, HF, TIMM):
+        return _folder_teacher(path, source.format, tokenizer_dir)
     if source.format == LIGHTNING:
         return _lightning_teacher(source, model_name, tokenizer_dir)
-    if source.format != STATE_DICT:
-        raise ValueError(f"{KEY}: {path} is a {source.format} export folder, an image model only; a teacher is a CLIP")
     if model_name is None:
         raise ValueError(f"{KEY}: {path} is a state dict: name its open_clip model or JSON config with "
                          "model.init_args.distill.teacher_model")
@@ -269,7 +224,7 @@ def _read(read: Callable[[], Any], path: str) -> Any:
     """``read()`` of a teacher's file; an unreadable one named as the teacher."""
     try:
         return read()
-    except (FileNotFoundError, UnsafeCheckpointError) as err:
+    except (FileNotFoundError, UnsafeCheckpointError, ImportError) as err:
         raise type(err)(f"{KEY}: {err}") from None
     except (ValueError, KeyError) as err:
         message = str(err.args[0]) if err.args else str(err)
@@ -277,7 +232,3 @@ def _read(read: Callable[[], Any], path: str) -> Any:
     except Exception as err:  # torch's zip reader raises RuntimeError on a truncated or foreign file
         raise ValueError(f"{KEY}: {path} is not a readable checkpoint ({type(err).__name__}: {err})") from None
 
-
-def _read_state(path: str) -> dict[str, Any]:
-    """A hub folder's weights file through the one safe reader."""
-    return _read(lambda: read_state_dict(path), path)
