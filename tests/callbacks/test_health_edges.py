@@ -126,6 +126,33 @@ def test_setup_reads_the_buffer_with_the_models_transform_and_the_data_modules_k
     assert calls[-1][0] == "own.tar" and calls[-1][2] == clip.tokenizer and calls[-1][4] == {}
 
 
+def test_a_tokenizer_is_passed_only_for_a_model_with_a_text_tower_and_no_set_turns_health_off(monkeypatch):
+    calls = _recording_reader(monkeypatch, _buffer(4))
+    image_only = ImageModel()
+    image_only.tokenizer = "a tokenizer without a text tower"
+    EmbeddingHealth(data="x.tar").setup(_trainer(), image_only, "validate")
+    no_tokenizer = ImageModel()
+    no_tokenizer.encode_text = lambda tokens: tokens
+    EmbeddingHealth(data="x.tar").setup(_trainer(), no_tokenizer, "validate")
+    assert [c[2] for c in calls] == [None, None]
+    health = EmbeddingHealth()
+    with pytest.warns(UserWarning) as caught:
+        health.setup(_trainer(), ImageModel(), "validate")
+    assert [str(w.message) for w in caught] == [
+        "EmbeddingHealth: no held-out set (data.val_data, or init_args.data in its trainer.callbacks entry): the "
+        "health/* figures are off for this run"]
+    assert health.buffer is None and len(calls) == 2
+
+
+def test_the_cost_of_a_computation_is_kept_in_milliseconds(monkeypatch):
+    clock = iter([10.0, 10.25])
+    monkeypatch.setattr(health_module, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    health = EmbeddingHealth()
+    health.buffer = _buffer(4)
+    health.evaluate(_trainer(), ImageModel())
+    assert health.last_call_ms == pytest.approx(250.0)
+
+
 def test_setup_reads_nothing_when_no_validation_runs_unless_it_has_its_own_cadence(monkeypatch):
     calls = _recording_reader(monkeypatch, _buffer(4))
     off = _trainer(limit_val_batches=0)
@@ -179,6 +206,7 @@ def test_validation_logs_every_figure_synced_except_in_the_sanity_check_or_on_a_
     health.on_validation_epoch_end(_trainer(), model)
     assert [(n, k) for n, _, k in logged] == [(n, {"sync_dist": True}) for n in (
         "health/rankme", "health/uniformity", "health/alignment")]
+    assert [v for _, v, _ in logged] == list(health.evaluate(_trainer(), model).values())
     stepped = EmbeddingHealth(every_n_steps=2)
     stepped.buffer = _buffer(5)
     logged.clear()
