@@ -142,7 +142,7 @@ def _require_tokenizer(folder: str, origin: str) -> None:
 
 
 @contextlib.contextmanager
-def _without_random_init_notice() -> Iterator[None]:
+def without_random_init_notice() -> Iterator[None]:
     """Drop open_clip's "No pretrained weights loaded ... initialized randomly" (logged on the root
     logger) during a build whose weights are loaded right after; every other message stays."""
     def keep(record: logging.LogRecord) -> bool:
@@ -205,7 +205,7 @@ def build_open_clip_folder(folder: str, tokenizer_dir: Optional[str] = None) -> 
     state = read_state_dict(weights)
     tokenizer, source = _open_clip_tokenizer(folder, config["model_cfg"].get("text_cfg", {}), tokenizer_dir)
     bias = {"init_logit_bias": 0.0} if "logit_bias" in state else {}  # its value comes from the weights
-    with _without_random_init_notice():
+    with without_random_init_notice():
         model = open_clip.create_model(f"local-dir:{folder}", load_weights=False, output_dict=True, **bias)
     _load_strict(model, state, folder, OPEN_CLIP_HF_CONFIG)
     return FolderModel(folder, OPEN_CLIP_HF, model.eval(), tokenizer, *open_clip_image_settings(model), weights,

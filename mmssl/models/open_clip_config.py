@@ -4,7 +4,6 @@ inert, and open_clip's weight-decay rule."""
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, Callable, Optional
 
@@ -12,15 +11,9 @@ import open_clip
 import torch
 
 from mmssl.checkpoints import read_checkpoint
+from mmssl.checkpoints.folders import without_random_init_notice
 from mmssl.checkpoints.model_file import lightning_open_clip_state
 from mmssl.optim import NDIM_LT_2
-
-RANDOM_INIT_NOTICE = "No pretrained weights loaded for model"
-
-
-class _DropRandomInitNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(RANDOM_INIT_NOTICE)
 
 
 def create_model(name: str, pretrained: Optional[str] = None, **kwargs: Any) -> torch.nn.Module:
@@ -49,12 +42,8 @@ def create_model(name: str, pretrained: Optional[str] = None, **kwargs: Any) -> 
         model = create_model(name, None, **kwargs)
         model.load_state_dict(mmssl_clip)  # strict: another model config fails naming the keys
         return model
-    root, notice = logging.getLogger(), _DropRandomInitNotice()
-    root.addFilter(notice)  # open_clip's factory logs through logging.warning (the root logger)
-    try:
+    with without_random_init_notice():  # open_clip's factory logs through logging.warning (the root logger)
         return open_clip.create_model(name, pretrained=None, **kwargs)
-    finally:
-        root.removeFilter(notice)
 
 
 def resolve_model_name(model_name: str) -> str:

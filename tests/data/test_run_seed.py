@@ -49,6 +49,8 @@ def fit(tmp_path, tiny_demo, tiny_clip_json):
                 f"--data.init_args.demo_dir={tiny_demo.root}",
                 "--data.init_args.batch_size=16",
                 "--data.init_args.num_workers=0",
+                # One process, and what is checked is the training stream's first batches: validation
+                # would only read the held-out set, which the stream's seed does not order.
                 "--trainer.limit_val_batches=0",
                 "--trainer.num_sanity_val_steps=0",
                 "--trainer.enable_progress_bar=false",
