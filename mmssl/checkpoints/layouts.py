@@ -12,6 +12,8 @@ Layouts (a Lightning checkpoint's ``state_dict``):
 * ``CLIP``: ``model.*``, the open_clip model (``model.logit_scale``); a timm image tower under
   ``model.visual.trunk.*``.
 * ``CoCa``: ``model.*``, the open_clip ``CoCa`` (CLIP's layout plus ``model.text_decoder.*``).
+* ``CLIPMLM``: CLIP's ``model.*`` (a bidirectional text tower, one more token-embedding row for the
+  mask token) plus ``mlm_head.*`` and ``itm_head.*``.
 * ``ImageClassifier``: ``model.*``, the timm ViT with its head (``model.head.weight``).
 """
 
@@ -144,6 +146,8 @@ class ModelKind:
             whose marks include the other's wins (a CoCa's weights have a CLIP's marks too), so
             the table's order decides nothing.
         formats: the export formats that can hold it (``tools/export.py --format``).
+        refusals: ``(format, why)`` for formats it lacks that a user may well ask for: the refusal
+            says why (``mmssl.export.check_format``).
         vit: its image ViT under timm's names, or ``None`` (fine-tuning initialisation, timm export).
         open_clip: its open_clip model's weights (a distillation teacher, ``pretrained``), or ``None``.
         timm: ``hyper_parameters -> {"architecture", **timm.create_model kwargs}`` of its timm export.
@@ -159,6 +163,7 @@ class ModelKind:
     class_path: str
     marks: tuple[str, ...]
     formats: tuple[str, ...] = ()
+    refusals: tuple[tuple[str, str], ...] = ()
     vit: Optional[Callable[[StateDict], StateDict]] = None
     open_clip: Optional[Callable[[StateDict], StateDict]] = None
     timm: Optional[Callable[[Mapping[str, Any]], dict[str, Any]]] = None
@@ -188,8 +193,14 @@ KINDS: tuple[ModelKind, ...] = (
     ModelKind("CoCa", "mmssl.models.coca.CoCa", ("model.logit_scale", "model.text_decoder."), ("open_clip",),
               vit=clip_timm_trunk, open_clip=clip_to_open_clip,
               file_args=("pretrained", "image_tower_init", *_DISTILL), base_args=("pretrained", "image_tower_init")),
-    # CLIP's towers (an open_clip ViT: no timm trunk) with MLM and ITM heads; no export format yet.
+    # CLIP's towers (an open_clip ViT: no timm trunk) with MLM and ITM heads. Its open_clip export is the
+    # CLIP alone, without the mask token's row (mmssl.export.hub.open_clip_export); `open_clip` below is the
+    # model as trained, mask row included (pretrained, teacher, zero-shot head: the module's own config).
     ModelKind("CLIPMLM", "mmssl.models.clip_mlm.CLIPMLM", ("model.logit_scale", "mlm_head.", "itm_head."),
+              ("open_clip", "open_clip_hf"),
+              refusals=(("hf", "its text tower is bidirectional (text_cfg.no_causal_mask, for MLM) and transformers' "
+                               "CLIPTextModel is causal, so it would compute other text embeddings"),
+                        ("timm", "its image tower is open_clip's own ViT, not a timm model")),
               open_clip=clip_to_open_clip, file_args=("pretrained", "image_tower_init", *_DISTILL)),
     ModelKind("ImageClassifier", "mmssl.models.classifier.ImageClassifier", ("model.head.weight",), ("timm",),
               vit=classifier_to_timm, timm=classifier_timm_args, file_args=("init_encoder", "zero_shot_head"),

@@ -4,7 +4,8 @@ Two kinds of format, one entry point (:func:`export_checkpoint`, ``tools/export.
 
 * **State-dict files** (:data:`EXPORTERS`): the Lightning ``state_dict`` under the target
   library's names (:mod:`mmssl.checkpoints.layouts`), saved as ``.pth`` / ``.safetensors``
-  (``timm``, ``open_clip``).
+  (``timm``, ``open_clip``); a CLIPMLM's open_clip file from its module rebuilt
+  (:data:`MODULE_FILE_EXPORTERS`: only its tokenizer says which embedding row is the mask token's).
 * **Folders** (:data:`FOLDER_EXPORTERS`): the module rebuilt from the checkpoint's
   hyper-parameters, written with its configs as the target library's hub folder: ``hf``
   (transformers ``CLIPModel``, :mod:`mmssl.export.hf`), ``open_clip_hf`` and ``timm``
@@ -47,18 +48,32 @@ def to_timm(state_dict: StateDict) -> StateDict:
 
 
 def to_open_clip(state_dict: StateDict) -> StateDict:
-    """CLIP module -> plain open_clip state dict (:func:`mmssl.checkpoints.layouts.clip_to_open_clip`).
+    """CLIP or CoCa module -> plain open_clip state dict (:func:`mmssl.checkpoints.layouts.clip_to_open_clip`).
 
     ``open_clip.create_model_and_transforms(NAME, pretrained=FILE)`` loads the result (strictly)
     when NAME is the config the module was built from: for a JSON config of ours, register it
     first with ``open_clip.add_model_config("path/to/name.json")``. A SigLIP model carries
     ``logit_bias``: load it into a config without one by passing ``init_logit_bias=-10`` to
     ``create_model_and_transforms`` (any value; the file's wins).
+
+    A CLIPMLM's file is written from its module instead (:data:`MODULE_FILE_EXPORTERS`).
     """
     return clip_to_open_clip(state_dict)
 
 
+def _open_clip_of_module(module: nn.Module) -> StateDict:
+    from mmssl.export.hub import open_clip_export
+
+    return open_clip_export(module)[0]
+
+
 EXPORTERS: dict[str, Callable[[StateDict], StateDict]] = {"timm": to_timm, "open_clip": to_open_clip}
+# (format, kind) -> the file's state dict from the module rebuilt from the checkpoint: a CLIPMLM's
+# open_clip model leaves out the mask token's embedding row, and only its tokenizer says which row
+# that is (mmssl.export.hub.plain_text_rows); the state dict alone does not.
+MODULE_FILE_EXPORTERS: dict[tuple[str, str], Callable[[nn.Module], StateDict]] = {
+    ("open_clip", "CLIPMLM"): _open_clip_of_module,
+}
 
 
 def _write_hf(module: nn.Module, output: str, source: str) -> StateDict:
@@ -91,10 +106,13 @@ FILE_SUFFIXES = (".pth", ".pt", ".bin", ".safetensors")
 
 
 def check_format(kind: ModelKind, format: str) -> None:
-    """Refuse a format the kind's row of the table does not list, naming those it does."""
+    """Refuse a format the kind's row of the table does not list, naming those it does (and why
+    not this one, where the row says: :attr:`mmssl.checkpoints.layouts.ModelKind.refusals`)."""
     if format not in kind.formats:
+        why = dict(kind.refusals).get(format)
+        has = f"exports with --format {' / '.join(kind.formats)}" if kind.formats else "has no export format"
         raise ValueError(f"--format {format} needs an mmssl {' or '.join(kinds_for(format))} checkpoint, not a "
-                         f"{kind.name} one ({kind.name} exports with --format {' / '.join(kind.formats)})")
+                         f"{kind.name} one{f': {why}' if why else ''} ({kind.name} {has})")
 
 
 def export_checkpoint(ckpt: str, format: str, output: str, overwrite: bool = False, ema: bool = False) -> StateDict:
@@ -139,11 +157,15 @@ def export_checkpoint(ckpt: str, format: str, output: str, overwrite: bool = Fal
     if folder:
         module = build_module(ckpt, checkpoint, kind)
         return write_folder(output, lambda tmp: FOLDER_EXPORTERS[format](module, tmp, ckpt))
-    state = EXPORTERS[format](checkpoint["state_dict"])
+    from_module = MODULE_FILE_EXPORTERS.get((format, kind.name)) if kind is not None else None
+    if from_module is not None:
+        state = from_module(build_module(ckpt, checkpoint, kind))
+    else:
+        state = EXPORTERS[format](checkpoint["state_dict"])
     state = {k: v.detach().contiguous().clone() for k, v in state.items()}
     save_state_file(state, output)
     return state
 
 
-__all__ = ["EXPORTERS", "FILE_SUFFIXES", "FOLDER_EXPORTERS", "FORMATS", "check_format", "export_checkpoint",
-           "to_open_clip", "to_timm"]
+__all__ = ["EXPORTERS", "FILE_SUFFIXES", "FOLDER_EXPORTERS", "FORMATS", "MODULE_FILE_EXPORTERS", "check_format",
+           "export_checkpoint", "to_open_clip", "to_timm"]

@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -38,7 +38,7 @@ def _clean(state: StateDict) -> StateDict:
 
 
 def open_clip_config(module: nn.Module) -> dict:
-    """The open_clip ``model_cfg`` that rebuilds ``module.model`` (an mmssl ``CLIP``).
+    """The open_clip ``model_cfg`` that rebuilds ``module.model`` (an mmssl ``CLIP`` or ``CLIPMLM``).
 
     open_clip's registered config for the module's ``model_name``, plus ``init_logit_bias`` when
     the model has a bias (SigLIP), so that ``create_model`` builds the ``logit_bias`` parameter
@@ -56,11 +56,46 @@ def open_clip_config(module: nn.Module) -> dict:
     return cfg
 
 
+def plain_text_rows(module: nn.Module) -> Optional[int]:
+    """The rows of a CLIPMLM's token embedding that its tokenizer's ids reach, when its mask token is a
+    row added past them (open_clip's BPE: ids 0..49407, the mask 49408); ``None`` otherwise (a CLIP,
+    or a Hugging Face tokenizer whose own ``[MASK]`` lies inside its vocabulary).
+
+    The mask token only ever enters the text tower in MLM's corrupted captions; an ordinary caption
+    never holds it, and argmax pooling (at the end-of-text id, the largest the tokenizer writes)
+    never reaches it. Without its row the text tower is the plain open_clip one of the BPE
+    vocabulary (``text_cfg.vocab_size`` 49408), and gives the same embeddings."""
+    from mmssl.models.clip_mlm import CLIPMLM
+
+    if not isinstance(module, CLIPMLM):
+        return None
+    vocabulary = module.vocabulary
+    return vocabulary.random_vocab if vocabulary.mask_id >= vocabulary.random_vocab else None
+
+
+def open_clip_export(module: nn.Module) -> tuple[StateDict, dict]:
+    """The open_clip model of an mmssl ``CLIP`` or ``CLIPMLM``: its weights and the ``model_cfg``
+    that rebuilds it (:func:`open_clip_config`), for ``create_model(...)`` to load strictly.
+
+    A CLIPMLM's is its CLIP alone: the MLM and ITM heads are left out, and so is the mask token's
+    embedding row where the tokenizer has no id for it (:func:`plain_text_rows`; ``vocab_size`` in
+    the config follows). The config keeps ``text_cfg.no_causal_mask``: the tower was trained
+    bidirectional, and open_clip rebuilds it so.
+    """
+    state = _clean(module.model.state_dict())
+    config = open_clip_config(module)
+    rows = plain_text_rows(module)
+    if rows is not None:
+        state["token_embedding.weight"] = state["token_embedding.weight"][:rows].clone()  # (V, W) -> (rows, W)
+        config["text_cfg"]["vocab_size"] = rows
+    return state, config
+
+
 def write_open_clip_hf(module: nn.Module, output: str) -> StateDict:
-    """Write an mmssl ``CLIP`` as an open_clip hub folder.
+    """Write an mmssl ``CLIP`` or ``CLIPMLM`` as an open_clip hub folder (:func:`open_clip_export`).
 
     Args:
-        module: the ``CLIP`` LightningModule, weights loaded.
+        module: the ``CLIP`` or ``CLIPMLM`` LightningModule, weights loaded.
         output: folder to write (created).
 
     Returns:
@@ -70,10 +105,10 @@ def write_open_clip_hf(module: nn.Module, output: str) -> StateDict:
     from safetensors.torch import save_file
 
     os.makedirs(output, exist_ok=True)
-    state = _clean(module.model.state_dict())
+    state, config = open_clip_export(module)
     save_file(state, os.path.join(output, "open_clip_model.safetensors"))
     # preprocess_cfg: the image mean and std open_clip's transforms read back (size: model_cfg).
-    save_config_for_hf(module.model, Path(output, "open_clip_config.json"), model_config=open_clip_config(module))
+    save_config_for_hf(module.model, Path(output, "open_clip_config.json"), model_config=config)
     return state
 
 

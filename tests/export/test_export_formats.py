@@ -196,7 +196,7 @@ def test_folder_formats_refuse_what_they_cannot_write(tmp_path):
     refused = _export_refused(  # ValueError
         "--ckpt", str(tmp_path / "mae.ckpt"), "--format", "open_clip_hf", "--output", str(tmp_path / "x")
     )
-    assert re.search("needs an mmssl CLIP checkpoint, not a MAE", refused)
+    assert re.search("needs an mmssl CLIP or CLIPMLM checkpoint, not a MAE", refused)
     refused = _export_refused(  # ValueError
         "--ckpt", str(tmp_path / "mae.ckpt"), "--format", "hf", "--output", str(tmp_path / "x.safetensors")
     )

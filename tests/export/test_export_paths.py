@@ -136,7 +136,7 @@ def test_a_refused_kind_leaves_an_earlier_export_as_it_was(mae_ckpt, tmp_path):
     refused = export_refused(  # ValueError
         "--ckpt", mae_ckpt, "--format", "open_clip_hf", "--output", folder, "--overwrite"
     )
-    assert re.search("needs an mmssl CLIP checkpoint", refused)
+    assert re.search("needs an mmssl CLIP or CLIPMLM checkpoint", refused)
     assert snapshot(folder) == before and sorted(p.name for p in tmp_path.iterdir()) == ["vit"]
 
 
