@@ -4,6 +4,7 @@
     python tools/export.py --ckpt runs/clip/checkpoints/last.ckpt --format open_clip --output clip.pth
     python tools/export.py --ckpt runs/clip/checkpoints/last.ckpt --format hf --output clip_hf/
     python tools/export.py --ckpt runs/clip/checkpoints/last.ckpt --format open_clip_hf --output clip_oc/
+    python tools/export.py --ckpt runs/clip_mlm/checkpoints/last.ckpt --format open_clip_hf --output clip_mlm_oc/
     python tools/export.py --ckpt runs/mae/checkpoints/last.ckpt --format timm --output vit_timm/
     python tools/export.py --ckpt runs/mae/checkpoints/last.ckpt --format timm --output vit_ema.pth --ema
 
@@ -12,14 +13,20 @@ an open_clip hub folder (``local-dir:``), ``timm`` with a folder output a timm h
 (``model.safetensors`` + ``config.json``). Nothing is uploaded: ``huggingface-cli upload`` does that.
 
 Which checkpoint exports to which format (``mmssl.checkpoints.layouts.KINDS``; any other pair is
-refused, naming the formats the checkpoint has):
+refused, naming the formats the checkpoint has; tests/checkpoints/test_layouts.py checks this table):
 
     MAE              timm (file: encoder; folder)
+    M3AE             timm (file: image encoder, its modality embedding folded in; folder)
     ImageClassifier  timm (file or folder, head included)
     CLIP             open_clip (file), open_clip_hf, hf (folders)
     CoCa             open_clip (file)
-    M3AE             none (its image tokens carry a modality embedding no timm ViT has)
-    CLIPMLM          none yet
+    CLIPMLM          open_clip (file), open_clip_hf (folder) (the CLIP alone: no MLM or ITM head, no mask row)
+
+A CLIPMLM exports its CLIP: the towers, projections and logit scale, with the text tower's
+``no_causal_mask`` (it was trained bidirectional) and without the mask token's embedding row, which
+no caption's ids reach: ``text_cfg.vocab_size`` 49408, open_clip's BPE (the folder's
+``open_clip_config.json`` says so; a file loads into the model config with that change). ``hf`` is
+refused for it: transformers' CLIP text model is causal.
 
 An existing output file, or a folder that is not empty, is refused unless ``--overwrite`` (which
 replaces only a folder holding an earlier export's files); a refused export writes nothing.

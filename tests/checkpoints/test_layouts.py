@@ -109,15 +109,20 @@ def test_detection_does_not_depend_on_the_order_of_the_rows(checkpoints):
         detect_kind({"model.logit_scale": 0, "model.head.weight": 0})
 
 
-def test_tools_export_docstring_lists_every_kind_with_its_formats():
+def test_tools_export_docstring_lists_every_kind_with_exactly_its_formats():
+    """The table in tools/export.py's help: one row per kind, ``NAME  format (note), format ...``,
+    whose formats (the words outside parentheses; ``none`` for none) are the row's of KINDS."""
+    import re
     import runpy
 
     doc = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "export.py"))["__doc__"]
-    rows = {line.split()[0]: line for line in doc.splitlines() if line.startswith("    ") and line.split()}
+    names = {kind.name for kind in KINDS}
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in doc.splitlines()
+            if line.startswith("    ") and line.split() and line.split()[0] in names}
+    assert set(rows) == names
     for kind in KINDS:
-        assert kind.name in rows, kind.name
-        for format in kind.formats:
-            assert format in rows[kind.name].replace(",", " ").split(), (kind.name, format)
+        listed = set(re.sub(r"\([^)]*\)", " ", rows[kind.name]).replace(",", " ").split()) - {"none"}
+        assert listed == set(kind.formats), (kind.name, rows[kind.name])
 
 
 def test_a_format_a_kind_cannot_hold_is_refused_naming_its_formats(checkpoints, tmp_path):
