@@ -7,6 +7,12 @@ the process-group timeout (2 min) while rank 1 was somewhere else; rank 0's trac
 not say where. The dump comes a little before that timeout, so the failing test's output shows
 what the late rank was doing (tests.cli_runs.run_mmssl prints the dumps of a failed run). Runs
 that end sooner print nothing.
+
+Forked children (data-loader workers) dump too, when their parent's dump is due: reading the code
+found no collective the ranks call in another order, and a worker of rank 1 that stops handing over
+batches gives rank 0 exactly the traceback seen (rank 0 at the data module's ``data/skipped``
+reduction, rank 1 in ``next(data_fetcher)``; reproduced by delaying a worker), so the next failure
+should show the stalled worker's line.
 """
 
 import faulthandler
@@ -18,5 +24,32 @@ _folder = os.environ.get("MMSSL_TEST_STACKS_DIR", "")
 if _after:
     # Into the run's own folder when tests.cli_runs.run_mmssl gives one (it prints the files of a
     # failed run), else onto the process's stdout.
-    _file = open(os.path.join(_folder, f"{os.getpid()}.txt"), "w") if _folder else sys.stdout
-    faulthandler.dump_traceback_later(float(_after), repeat=False, file=_file, exit=False)
+    import time
+
+    def _arm(seconds: float) -> None:
+        file = open(os.path.join(_folder, f"{os.getpid()}.txt"), "w") if _folder else sys.stdout
+        faulthandler.dump_traceback_later(seconds, repeat=False, file=file, exit=False)
+
+    _deadline = time.monotonic() + float(_after)
+    _arm(float(_after))
+
+    def _rearm_in_child() -> None:
+        # A forked child (a data-loader worker) inherits no watchdog thread, and arming
+        # faulthandler's own there waits forever on the parent's watchdog lock: a timer thread
+        # dumps its stacks instead, when the parent's are due (or ``_after`` from now).
+        import threading
+
+        left = _deadline - time.monotonic()
+        path = os.path.join(_folder, f"{os.getpid()}.txt") if _folder else None
+
+        def dump() -> None:
+            file = open(path, "w") if path else sys.stdout
+            file.write(f"Forked child (pid {os.getpid()}, parent {os.getppid()}):\n")
+            faulthandler.dump_traceback(file=file, all_threads=True)
+            file.flush()
+
+        timer = threading.Timer(left if left > 0 else float(_after), dump)
+        timer.daemon = True
+        timer.start()
+
+    os.register_at_fork(after_in_child=_rearm_in_child)
