@@ -6,6 +6,7 @@ the plot's axes, labels and size."""
 from __future__ import annotations
 
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,146 @@ def test_the_plot_draws_each_alpha_and_the_reference_on_labelled_axes(tmp_path, 
     plot_wise_ft({**report, "reference": {**report["reference"], "keep_mean": None}}, path, size=(320, 200))
     assert Image.open(path).size == (320, 200)
     assert len(drawn["figure"].axes[0].lines) == 1 and drawn["figure"].axes[0].get_legend() is None
+
+
+def test_step_zero_is_the_end_classifier_built_with_the_clip_as_encoder_and_head(monkeypatch):
+    """A CLIP -> classifier pair's start: the end's hyper-parameters (its file named in their errors)
+    with the CLIP file as ``init_encoder`` and ``zero_shot_head``, in eval mode."""
+    calls = []
+
+    def build(kind, hparams, path, **given):
+        calls.append((kind, hparams, path, given))
+        return torch.nn.Linear(1, 1)
+
+    monkeypatch.setattr(wise_ft, "build_from_args", build)
+    pair = Pair.__new__(Pair)
+    hparams = {"num_classes": 2, "head_classnames": ["a", "b"]}
+    pair.kind, pair.paths, pair.end_ckpt = "the kind", ("clip.ckpt", "ft.ckpt"), {"hyper_parameters": hparams}
+    module = pair._step_zero("clip.ckpt")
+    assert calls == [("the kind", hparams, "ft.ckpt", {"init_encoder": "clip.ckpt", "zero_shot_head": "clip.ckpt"})]
+    assert not module.training
+
+
+def test_a_single_target_sets_mean_is_its_score_and_each_point_is_timed(monkeypatch):
+    _scorers(monkeypatch, {("mix1", "t"): 0.9})
+    clock = iter([100.0, 101.2345])
+    monkeypatch.setattr(wise_ft, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    [point] = wise_ft_curve(_FakePair("ImageClassifier"), [1.0], ["t"], [])["points"]
+    assert point["target_mean"] == pytest.approx(0.9)
+    assert point["seconds"] == 1.23  # rounded to 10 ms
+
+
+def test_the_reference_is_scored_with_the_callers_arguments(monkeypatch):
+    table = {("mix0", "t"): 0.2, ("ref1", "t"): 1.0}
+    head, zero_shot = _scorers(monkeypatch, table)
+
+    class RefPair(_FakePair):
+        def __init__(self, start, end, ema):
+            super().__init__("CLIP", paths=(start, end))
+
+        def mix(self, alpha):
+            return "ref1"
+
+    monkeypatch.setattr(wise_ft, "Pair", RefPair)
+    device = torch.device("cpu")
+    wise_ft_curve(_FakePair("CLIP"), [0.0], ["t"], [], batch_size=7, num_workers=3, limit=11, device=device,
+                  reference="ref.ckpt")
+    assert [c[0] for c in zero_shot.calls] == ["mix0", "ref1"]
+    assert all(c[2:] == (7, 3, 11, device) for c in zero_shot.calls)
+
+
+def test_the_plot_is_drawn_at_100_dpi_whatever_matplotlibs_default(tmp_path):
+    """Sizes in pixels at the figure's own 100 dpi (fonts in points scale with it), not at a
+    matplotlibrc's ``figure.dpi``."""
+    import matplotlib
+    from PIL import Image
+
+    import mmssl.visualize.figures as figures
+
+    report = {"targets": ["t"], "keep": ["k"], "points": [{"alpha": 0.0, "keep_mean": 0.8, "target_mean": 0.3}]}
+    made = []
+    real = figures.new_figure
+
+    def new_figure(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    path = str(tmp_path / "w.png")
+    with matplotlib.rc_context({"figure.dpi": 72}), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(figures, "new_figure", new_figure)
+        plot_wise_ft(report, path, size=(300, 150))
+    assert made[0].dpi == 100 and Image.open(path).size == (300, 150)
+
+
+def test_zero_shot_top1_reads_limit_samples_in_process_by_default(tiny_clip_json, tiny_demo, monkeypatch):
+    torch.manual_seed(0)
+    clip = CLIP(tiny_clip_json).eval()
+    seen = {}
+
+    def evaluate(model, batches, names, prompts, device):
+        seen.update(workers=batches.num_workers, rows=sum(len(b["label"]) for b in batches))
+        return {"top1": torch.tensor(0.5)}
+
+    monkeypatch.setattr(wise_ft, "zero_shot_evaluate", evaluate)
+    wise_ft.zero_shot_top1(clip, tiny_demo.eval_dir, batch_size=5, limit=7)
+    assert seen == {"workers": 0, "rows": 7}
+
+
+def test_the_plots_text_marker_and_grid_styles(tmp_path, monkeypatch):
+    import matplotlib
+
+    import mmssl.visualize.figures as figures
+
+    drawn = {}
+    monkeypatch.setattr(figures, "save_png", lambda figure, path: drawn.setdefault("figure", figure) and path)
+    report = {"targets": ["t1", "t2"], "keep": ["k1", "k2"], "reference": {"path": "r", "keep_mean": 0.2,
+                                                                           "target_mean": 0.9},
+              "points": [{"alpha": 0.25, "keep_mean": 0.8, "target_mean": 0.3}]}
+    with matplotlib.rc_context({"font.size": 13}), warnings.catch_warnings():  # every size is the plot's own
+        warnings.simplefilter("error")  # matplotlib's, for a grid both off and styled, say
+        plot_wise_ft(report, str(tmp_path / "w.png"))
+    ax = drawn["figure"].axes[0]
+    [label] = ax.texts
+    assert label.get_text() == "0.25" and label.xyann == (4, 4) and label.anncoords == "offset points"
+    assert label.get_fontsize() == 8
+    assert ax.lines[1].get_markersize() == 12
+    assert [t.get_fontsize() for t in ax.get_legend().get_texts()] == [7, 7]
+    assert ax.xaxis.label.get_fontsize() == 8 and ax.yaxis.label.get_fontsize() == 8
+    assert ax.get_xlabel() == "kept top-1 (k1, k2)" and ax.title.get_fontsize() == 10
+    gridlines = ax.xaxis.get_gridlines()
+    assert gridlines and all(g.get_visible() and g.get_alpha() == 0.3 for g in gridlines)
+
+
+def test_a_pair_passes_each_files_path_and_the_kinds_to_what_it_calls(monkeypatch):
+    """The paths name the files in the merge's, the build's and the mixing's refusals; the kinds
+    tell the mixing a CLIP -> classifier pair's start from another architecture."""
+    kinds = {"s.ckpt": types.SimpleNamespace(name="CLIP"), "e.ckpt": types.SimpleNamespace(name="ImageClassifier")}
+    calls = []
+    monkeypatch.setattr(wise_ft, "read_lightning", lambda path, ema: {"path": path, "hyper_parameters": {"h": 1}})
+    monkeypatch.setattr(wise_ft, "checkpoint_kind", lambda path, ckpt: kinds[path])
+    monkeypatch.setattr(wise_ft, "merged_checkpoint", lambda path, ckpt, kind: calls.append(("merge", path, kind.name))
+                        or ckpt)
+    monkeypatch.setattr(wise_ft, "build_module", lambda path, ckpt, kind: calls.append(("build", path, kind.name))
+                        or torch.nn.Linear(1, 1))
+    monkeypatch.setattr(Pair, "_step_zero", lambda self, path: torch.nn.Linear(1, 1))
+    monkeypatch.setattr(wise_ft, "interpolate_checkpoints", lambda s, e, alpha, names, kinds: calls.append(
+        ("mix", alpha, names, kinds)) or {"mixed": alpha})
+    pair = Pair("s.ckpt", "e.ckpt")
+    assert calls == [("merge", "s.ckpt", "CLIP"), ("merge", "e.ckpt", "ImageClassifier"), ("build", "s.ckpt", "CLIP"),
+                     ("mix", 0.0, ("s.ckpt", "e.ckpt"), ("ImageClassifier", "ImageClassifier"))]
+    calls.clear()
+    pair.mix(0.5)
+    assert calls == [("mix", 0.5, ("s.ckpt", "e.ckpt"), ("ImageClassifier", "ImageClassifier")),
+                     ("build", "e.ckpt (alpha 0.5)", "ImageClassifier")]
+
+
+def test_the_loader_reads_with_the_models_own_normalisation_and_the_callers_workers(tiny_demo):
+    from mmssl.data.transforms import eval_transform
+
+    model = types.SimpleNamespace(image_size=16, image_mean=(0.1, 0.2, 0.3), image_std=(0.5, 0.25, 0.125))
+    loader = wise_ft._loader(model, tiny_demo.eval_dir, 4, 0, 4)
+    assert loader.num_workers == 0 and wise_ft._loader(model, tiny_demo.eval_dir, 4, 1, 4).num_workers == 1
+    from mmssl.data.labeled import labeled_loader
+
+    want = next(iter(labeled_loader(tiny_demo.eval_dir, eval_transform(16, (0.1, 0.2, 0.3), (0.5, 0.25, 0.125)), 4)))
+    torch.testing.assert_close(next(iter(loader))["image"], want["image"])
