@@ -289,3 +289,250 @@ def test_fsdp2_fit_swaps_the_average_in_for_validation_and_back(tmp_path):
     assert torch.equal(module.layer.weight, average)
     ema.on_validation_end(trainer, module)
     assert (module.layer.weight == 5.0).all()
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls = []
+
+    def on_validation_epoch_start(self):
+        self.calls.append("start")
+
+    def validation_step(self, *args):
+        self.calls.append(("step", *args))
+
+    def on_validation_epoch_end(self):
+        self.calls.append("end")
+
+
+class _Evaluator:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def evaluate(self):  # an evaluation callback (ZeroShot, LinearProbe, KNNProbe)
+        raise AssertionError("not called here")
+
+    def on_validation_epoch_end(self, trainer, module):
+        self.calls.append(("evaluator", trainer, module))
+
+
+class _Other:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def on_validation_epoch_end(self, trainer, module):
+        self.calls.append(("other", trainer, module))
+
+
+def test_both_runs_the_copys_validation_and_every_evaluation_callback_outside_the_sanity_check():
+    import contextlib
+
+    for evaluate in ema_module.EVALUATE:
+        ema = EMA(evaluate=evaluate)
+        module = ema._copy = _Recorder()
+        trainer = types.SimpleNamespace(sanity_checking=False, strategy=object(), num_val_batches=[3],
+                                        precision_plugin=types.SimpleNamespace(val_step_context=contextlib.nullcontext))
+        trainer.callbacks = [ema, _Evaluator(module.calls), _Other(module.calls)]
+        ema.on_validation_epoch_start(trainer, None)
+        ema.on_validation_batch_end(trainer, None, None, "batch", 2)
+        trainer.num_val_batches = [3, 4]  # two validation loaders: the loader's index too
+        ema.on_validation_batch_end(trainer, None, None, "batch", 5)
+        ema.on_validation_batch_end(trainer, None, None, "batch", 6, 1)
+        ema.on_validation_epoch_end(trainer, None)
+        if evaluate != "both":
+            assert module.calls == [], evaluate
+            continue
+        assert module.calls == ["start", ("step", "batch", 2), ("step", "batch", 5, 0), ("step", "batch", 6, 1), "end",
+                                ("evaluator", trainer, module)]
+        module.calls.clear()
+        trainer.sanity_checking = True
+        ema.on_validation_epoch_start(trainer, None)
+        ema.on_validation_batch_end(trainer, None, None, "batch", 2)
+        ema.on_validation_epoch_end(trainer, None)
+        assert module.calls == []
+    ema = EMA(evaluate="both")  # no averaged copy (a sanity check of mmssl validate before its load)
+    trainer.sanity_checking = False
+    ema.on_validation_epoch_start(trainer, None)
+    ema.on_validation_batch_end(trainer, None, None, "batch", 2)
+    ema.on_validation_epoch_end(trainer, None)
+
+
+def test_fsdp2_both_gathers_the_average_for_a_gathered_evaluation_and_reshards_it(tmp_path, monkeypatch):
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    calls = []
+    monkeypatch.setattr(ema_module, "gather_module", lambda module: calls.append(("gather", module)))
+    monkeypatch.setattr(ema_module, "reshard_module", lambda module, after: calls.append(("reshard", module, after)))
+    ema, _, module = _fitted(tmp_path)
+    ema.evaluate = "both"
+    average = ema.averaged_module()
+    strategy = ModelParallelStrategy()
+    trainer = types.SimpleNamespace(state=types.SimpleNamespace(fn=TrainerFn.FITTING), strategy=strategy,
+                                    sanity_checking=False)
+    for gathers, sanity in ((False, False), (True, True)):
+        strategy.gather_for_evaluation, trainer.sanity_checking = gathers, sanity
+        ema.on_validation_start(trainer, module)
+        ema.on_validation_end(trainer, module)
+    assert calls == []
+    strategy.gather_for_evaluation, trainer.sanity_checking = True, False
+    ema.on_validation_start(trainer, module)
+    assert calls == [("gather", average)] and ema._gathered is True
+    ema.on_validation_end(trainer, module)
+    assert calls[1] == ("reshard", average, True) and ema._gathered is False
+    strategy.policy = types.SimpleNamespace(reshard_after_forward=False)
+    ema.on_validation_start(trainer, module)
+    ema.on_validation_end(trainer, module)
+    assert calls[3] == ("reshard", average, False)
+    # evaluate: ema in mmssl validate: the weights were loaded, nothing is swapped.
+    ema.evaluate = "ema"
+    monkeypatch.setattr(ema, "_validate_checkpoint", lambda trainer, pl_module: None)
+    trainer.state.fn = TrainerFn.VALIDATING
+    with torch.no_grad():
+        module.layer.weight.fill_(5.0)
+    ema.on_validation_start(trainer, module)
+    assert (module.layer.weight == 5.0).all() and ema._swapped == []
+    ema._copy = copy = _Tiny()
+    ema.on_validation_end(trainer, module)
+    assert len(calls) == 4 and ema._copy is None  # mmssl validate's copy let go
+    trainer.state.fn = TrainerFn.FITTING
+    ema._copy = copy
+    ema.on_validation_end(trainer, module)
+    assert ema._copy is copy
+
+
+def test_ema_ends_fit_with_the_average_resharding_an_fsdp2_model_first(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(ema_module, "reshard_module", lambda module, after: calls.append((module, after)))
+    for strategy, after in ((object(), None), (ModelParallelStrategy(), True), (ModelParallelStrategy(), False)):
+        if after is False:
+            strategy.policy = types.SimpleNamespace(reshard_after_forward=False)
+        ema, _, module = _fitted(tmp_path)
+        with torch.no_grad():
+            ema.averaged_module().layer.weight.fill_(2.0)
+            ema.averaged_module().count.fill_(4.0)
+        ema.on_train_end(types.SimpleNamespace(strategy=strategy), module)
+        assert (module.layer.weight == 2.0).all() and module.count.item() == 4.0
+        assert calls[-1:] == ([] if after is None else [(module, after)])
+    for evaluate in ("raw", "both"):
+        ema, _, module = _fitted(tmp_path)
+        ema.evaluate = evaluate
+        with torch.no_grad():
+            ema.averaged_module().layer.weight.fill_(2.0)
+        ema.on_train_end(types.SimpleNamespace(strategy=ModelParallelStrategy()), module)
+        assert not (module.layer.weight == 2.0).all()
+    assert len(calls) == 2
+
+
+def test_the_warmup_decay_follows_the_step_before_the_update_with_its_gamma(monkeypatch):
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    monkeypatch.setattr(WeightAveraging, "on_train_batch_end", lambda *args: None)
+    ema = EMA(decay=0.99, warmup_power=1.0, warmup_gamma=4.0)
+    ema.on_train_batch_end(types.SimpleNamespace(global_step=5), None, None, None, 0)
+    assert ema._decay_now == pytest.approx(1 - (1 + 4 / 4.0) ** -1.0)  # step 4: 0.5
+    assert ema_module.ema_decay(0.99, 4, 1.0, 4.0) == pytest.approx(0.5)
+
+
+def test_the_copy_shares_the_device_mesh_and_the_modules_factories():
+    import functools
+    import threading
+
+    module = _Tiny()
+    module._device_mesh = mesh = types.SimpleNamespace(name="mesh")
+    module.layer.factory = factory = functools.partial(print, threading.Lock())  # cannot be deep-copied
+    copy = ema_module._copy(module)
+    assert copy.device_mesh is mesh and copy.layer.factory is factory
+    assert copy.layer.weight is not module.layer.weight and torch.equal(copy.layer.weight, module.layer.weight)
+
+
+def test_local_takes_a_dtensors_shard_and_leaves_a_tensor():
+    class Sharded:
+        def to_local(self):
+            return "the shard"
+
+    tensor = torch.zeros(1)
+    assert ema_module._local(Sharded()) == "the shard" and ema_module._local(tensor) is tensor
+
+
+def test_fsdp2_prepare_shards_the_copy_on_the_trainer_then_attaches_it(tmp_path, monkeypatch):
+    seen = []
+
+    class Sharded(_Tiny):
+        def configure_model(self):
+            seen.append(("configure", self, self._trainer))
+
+    monkeypatch.setattr(ema_module, "fsdp2_lazy_init", lambda module: seen.append(("lazy", module)))
+    ema, trainer, module = _fitted(tmp_path)
+    assert ema.averaged_module().trainer is trainer  # attached in setup
+    fake = types.SimpleNamespace(strategy=ModelParallelStrategy())
+    copy, model = Sharded(), Sharded()
+    ema._prepare(copy, fake, model)
+    assert seen == [("configure", copy, fake), ("lazy", copy), ("configure", model, None)]
+    assert copy.trainer is fake and not copy.training
+
+
+def test_setup_refuses_fsdp1_and_a_presharded_model_and_configures_the_model_before_its_copy(tmp_path, monkeypatch):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.raises(ValueError) as err:
+        EMA().setup(types.SimpleNamespace(strategy=FSDPStrategy()), _Tiny(), "fit")
+    assert str(err.value) == ("EMA: FSDPStrategy (FSDP 1) shards the weights and WeightAveraging keeps a whole copy on "
+                              "every device: use EMA with FSDP2 (configs/trainer/fsdp2.yaml), DDP or one device")
+    fsdp2 = types.SimpleNamespace(strategy=ModelParallelStrategy())
+    EMA(evaluate="raw").setup(fsdp2, _Tiny(), "validate")  # FSDP2 is no FSDP 1
+    monkeypatch.setattr(ema_module, "is_fsdp2", lambda module: isinstance(module, _Tiny))
+    with pytest.raises(ValueError) as err:
+        EMA().setup(fsdp2, _Tiny(), "fit")
+    assert str(err.value) == ("EMA: _Tiny was sharded before the EMA callback's setup: the average is copied from the "
+                              "unsharded model and sharded as it is")
+    seen = []
+
+    class Configured(_Tiny):
+        def configure_model(self):
+            seen.append(self)
+
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    model = Configured()
+    EMA().setup(trainer, model, "fit")  # is_fsdp2 says True, but no FSDP2 strategy: set up as usual
+    assert seen == [model]  # the layers exist before the copy is made
+    # Under FSDP2 the copy is made before either is configured (sharded): the copy, then the model.
+    monkeypatch.setattr(ema_module, "is_fsdp2", lambda module: False)
+    monkeypatch.setattr(ema_module, "fsdp2_lazy_init", lambda module: None)
+    seen.clear()
+    ema = EMA()
+    ema.setup(types.SimpleNamespace(strategy=ModelParallelStrategy()), model, "fit")
+    assert seen == [ema.averaged_module(), model]
+
+
+def test_fsdp2_validate_of_both_prepares_a_copy_of_the_model(monkeypatch):
+    fsdp2 = types.SimpleNamespace(strategy=ModelParallelStrategy())
+    prepared = []
+    for stage, evaluate in (("validate", "both"), ("validate", "ema"), ("test", "both")):
+        ema = EMA(evaluate=evaluate)
+        monkeypatch.setattr(ema, "_prepare", lambda *args: prepared.append(args))
+        model = _Tiny()
+        ema.setup(fsdp2, model, stage)
+        if (stage, evaluate) != ("validate", "both"):
+            assert ema._copy is None
+            continue
+        [(copy, trainer, pl_module)] = prepared
+        assert copy is ema._copy and copy is not model and torch.equal(copy.layer.weight, model.layer.weight)
+        assert trainer is fsdp2 and pl_module is model
+    assert len(prepared) == 1
+
+
+def test_defaults_and_each_refusals_message():
+    ema = EMA()
+    assert (ema.decay, ema.warmup_power, ema.warmup_gamma, ema.update_every_n_steps, ema.evaluate) == (
+        0.999, None, 1.0, 1, "ema")
+    where = "(its trainer.callbacks entry)"
+    for kwargs, message in (
+            ({"decay": 1.0}, f"EMA: init_args.decay {where} must be in (0, 1), got 1.0"),
+            ({"warmup_power": -1.0},
+             f"EMA: init_args.warmup_power {where} must be > 0 (or null: no warm-up), got -1.0"),
+            ({"warmup_gamma": 0.0}, f"EMA: init_args.warmup_gamma {where} must be > 0, got 0.0"),
+            ({"update_every_n_steps": 0}, f"EMA: init_args.update_every_n_steps {where} must be >= 1, got 0"),
+            ({"evaluate": "x"}, f"EMA: init_args.evaluate {where} must be one of ('raw', 'ema', 'both'), got 'x'")):
+        with pytest.raises(ValueError) as err:
+            EMA(**kwargs)
+        assert str(err.value) == message
