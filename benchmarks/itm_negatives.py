@@ -20,7 +20,6 @@ import io
 import json
 import random
 import sys
-import tarfile
 from pathlib import Path
 
 import torch
@@ -46,16 +45,13 @@ def best_itm_accuracy(same_class_share: float) -> float:
 
 def read_shard(path: str, image_key: str = "png") -> list[tuple[bytes, str, int]]:
     """(image bytes, caption, class) of every sample of a webdataset tar with .cls labels."""
-    samples: dict[str, dict[str, bytes]] = {}
-    with tarfile.open(path) as tar:
-        for member in tar.getmembers():
-            if member.isfile():
-                key, ext = member.name.rsplit(".", 1)
-                samples.setdefault(key, {})[ext] = tar.extractfile(member).read()
-    missing = [k for k, s in samples.items() if not {image_key, "txt", "cls"} <= set(s)]
+    import webdataset as wds
+
+    samples = list(wds.WebDataset(path, shardshuffle=False, empty_check=False))
+    missing = [s["__key__"] for s in samples if not {image_key, "txt", "cls"} <= set(s)]
     if missing:
         raise ValueError(f"{path}: {len(missing)} samples without .{image_key}, .txt and .cls (e.g. {missing[0]})")
-    return [(s[image_key], s["txt"].decode(), int(s["cls"])) for _, s in sorted(samples.items())]
+    return [(s[image_key], s["txt"].decode(), int(s["cls"])) for s in samples]
 
 
 def main(argv: list[str] | None = None) -> dict:
