@@ -175,6 +175,8 @@ def test_lightning_weight_averaging_setup_sets_only_the_average():
 
 def test_lightning_weight_averaging_hooks_use_the_average_set():
     callback = _Averaging()
+    # One process: what is checked is which set of weights Lightning's training-step hooks average
+    # (the EMA validated on 2 ranks, against DDP: tests/checkpoints/test_fsdp2_ema.py).
     trainer = pl.Trainer(max_steps=3, logger=False, callbacks=[callback], enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
                          limit_val_batches=0, accelerator="cpu", devices=1)
