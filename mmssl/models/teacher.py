@@ -44,23 +44,12 @@ from mmssl.models.lora import LORA_BASE
 from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
 
 KEY = "model.init_args.distill.teacher"
-OPEN_CLIP_HF_WEIGHTS, HF_WEIGHTS = "open_clip_model.safetensors", ("model.safetensors", "pytorch_model.bin")
-
-
-def weights_file(path: str) -> str:
-    """The file holding a teacher's weights: ``path`` itself, or the weights of a hub folder."""
-    if not os.path.isdir(path):
-        return path
-    for name in (OPEN_CLIP_HF_WEIGHTS, *HF_WEIGHTS):
-        if os.path.isfile(os.path.join(path, name)):
-            return os.path.join(path, name)
-    raise FileNotFoundError(f"{KEY}: the folder {path!r} holds no {OPEN_CLIP_HF_WEIGHTS} or {' / '.join(HF_WEIGHTS)}")
 
 
 def sha256(path: str) -> str:
     """Hex SHA-256 of a teacher's weights file (what a student's checkpoint records)."""
     digest = hashlib.sha256()
-    with open(weights_file(path), "rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -88,7 +77,7 @@ class Teacher(nn.Module):
         source: the file or folder it was read from.
         image: the input size, mean and std.
         hf: ``model`` is a transformers ``CLIPModel``.
-        weights: the weights file (hashed into :attr:`sha256`); default: :func:`weights_file` of ``source``.
+        weights: the weights file (hashed into :attr:`sha256`); default: ``source``, a file.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Callable, signature: tuple, source: str, image: ImageSettings,
@@ -102,8 +91,7 @@ class Teacher(nn.Module):
             self.embed_dim = int(model.config.projection_dim)
         else:
             self.context_length = int(model.context_length)
-            self.embed_dim = int(model.text_projection.shape[-1] if model.text_projection is not None
-                                 else model.visual.output_dim)
+            self.embed_dim = _text_embedding_width(model)
         self.sha256 = sha256(weights or source)
         self.train(False)
 
@@ -133,21 +121,27 @@ class Teacher(nn.Module):
     def encode_text(self, tokens: Tensor) -> Tensor:
         """(B, L) token ids, L <= the context (trimmed padding is restored) -> (B, Dt) unit vectors."""
         if tokens.shape[1] < self.context_length:  # the student's batches may be trimmed
-            tokens = F.pad(tokens, (0, self.context_length - tokens.shape[1]), value=self._pad_id())
+            # open_clip pads with 0, which a bidirectional tower (a CLIP + MLM export) reads; a causal
+            # tower (every transformers CLIPTextModel) never reads past the end of text, whatever the pad.
+            tokens = F.pad(tokens, (0, self.context_length - tokens.shape[1]), value=0)
         if self.hf:
             out = self.model.get_text_features(input_ids=tokens)
             return F.normalize(getattr(out, "pooler_output", out), dim=-1)
         return self.model.encode_text(tokens, normalize=True)
 
-    def _pad_id(self) -> int:
-        return int(getattr(self.model.config.text_config, "pad_token_id", 0) or 0) if self.hf else 0
+
+def _text_embedding_width(model: nn.Module) -> int:
+    """An open_clip CLIP's embedding width, read from its text projection as open_clip builds it
+    (``text_cfg``'s ``proj_bias``: a ``Linear``; ``proj_type: none``: no projection, the tower's width)."""
+    projection = model.text_projection
+    if projection is None:
+        return int(model.transformer.width)
+    return int(projection.out_features if isinstance(projection, nn.Linear) else projection.shape[-1])
 
 
-def _open_clip_teacher(path: str, name: str, state: dict, tokenizer_dir: Optional[str],
-                       preprocess: Optional[dict] = None) -> Teacher:
+def _open_clip_teacher(path: str, name: str, state: dict, tokenizer_dir: Optional[str]) -> Teacher:
     bias = {"init_logit_bias": 0.0} if "logit_bias" in state else {}  # its value comes from the weights
-    kwargs = {"force_preprocess_cfg": preprocess} if preprocess else {}
-    model = create_model(name, output_dict=True, **bias, **kwargs)
+    model = create_model(name, **bias)
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
@@ -175,7 +169,7 @@ def _lightning_teacher(source: ModelFile, model_name: Optional[str], tokenizer_d
 def _folder_teacher(path: str, format: str, tokenizer_dir: Optional[str]) -> Teacher:
     if format == TIMM:
         raise ValueError(f"{KEY}: {path} is a {format} export folder, an image model only; a teacher is a CLIP")
-    built = _read(lambda: build_folder(path, tokenizer_dir, format), path)
+    built = _read(lambda: build_folder(path, tokenizer_dir), path)
     image = (built.image_size, built.image_mean, built.image_std)
     if format == HF:
         signature = ("transformers", os.path.abspath(path))

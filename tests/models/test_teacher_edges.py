@@ -14,7 +14,7 @@ import torch
 from mmssl.checkpoints.layouts import clip_to_open_clip
 from mmssl.models.clip import CLIP
 from mmssl.models.open_clip_config import resolve_model_name
-from mmssl.models.teacher import KEY, load_teacher, sha256, tokenizer_signature, weights_file
+from mmssl.models.teacher import KEY, load_teacher, sha256, tokenizer_signature
 from tests.models.test_distill import save_lightning
 
 
@@ -51,13 +51,6 @@ def test_refusals_name_the_teacher_option_and_the_file(tmp_path, teacher_file, t
     with pytest.raises(FileNotFoundError) as info:
         load_teacher(str(tmp_path / "none.ckpt"))
     assert str(info.value) == f"{KEY}: no teacher file or folder at {str(tmp_path / 'none.ckpt')!r}"
-    empty = tmp_path / "folder"
-    empty.mkdir()
-    with pytest.raises(FileNotFoundError) as info:
-        weights_file(str(empty))
-    assert str(info.value) == (f"{KEY}: the folder {str(empty)!r} holds no open_clip_model.safetensors or "
-                               "model.safetensors / pytorch_model.bin")
-    assert weights_file(str(teacher_file)) == str(teacher_file)
     assert sha256(str(teacher_file)) == hashlib.sha256(teacher_file.read_bytes()).hexdigest()
     state = tmp_path / "open_clip.pt"
     torch.save(clip_to_open_clip(torch.load(teacher_file, weights_only=True)["state_dict"]), state)
@@ -77,16 +70,20 @@ def test_refusals_name_the_teacher_option_and_the_file(tmp_path, teacher_file, t
     assert teacher.source == str(state) and teacher.embed_dim == 32 and teacher.image_size == 32
 
 
-def test_a_teachers_width_is_its_embedding_width_not_its_text_towers(tiny_clip_json, tmp_path):
+@pytest.mark.parametrize("text", [{}, {"proj_bias": True}, {"proj_type": "none", "embed_dim": 32}])
+def test_a_teachers_width_is_its_embedding_width_not_its_text_towers(text, tiny_clip_json, tmp_path):
     """A teacher whose text tower is wider than its embedding (RN50: 512 wide, 1024-d embeddings;
     here 32 and 24): its width, which the distillation projection and stored embeddings check, is
-    the embedding's."""
+    the embedding's, whether open_clip projects the text with a matrix, a ``Linear`` (``proj_bias``,
+    which once failed with AttributeError) or not at all (``proj_type: none``, the tower's width)."""
     config = json.loads(open(tiny_clip_json).read())
-    config["embed_dim"] = 24
+    text = dict(text)  # the parameter's own dict is shared with a rerun
+    config["embed_dim"] = text.pop("embed_dim", 24)
+    config["text_cfg"].update(text)
     (tmp_path / "narrow.json").write_text(json.dumps(config))
     torch.manual_seed(0)
     teacher = load_teacher(str(save_lightning(CLIP(str(tmp_path / "narrow.json")), tmp_path / "narrow.ckpt")))
-    assert teacher.embed_dim == 24
+    assert teacher.embed_dim == config["embed_dim"]
     with torch.no_grad():
-        assert teacher.encode_text(torch.ones(2, 16, dtype=torch.long)).shape == (2, 24)
-        assert teacher.encode_image(torch.randn(2, 3, 32, 32)).shape == (2, 24)
+        assert teacher.encode_text(torch.ones(2, 16, dtype=torch.long)).shape == (2, teacher.embed_dim)
+        assert teacher.encode_image(torch.randn(2, 3, 32, 32)).shape == (2, teacher.embed_dim)
