@@ -8,7 +8,9 @@
 or fine-tuned ImageClassifier, whichever the checkpoint or the run's config.yaml names; for a
 fine-tuned classifier ``--feature embedding`` is what its head reads), or an exported state dict with
 ``--model``: a timm name (``vit_base_patch16_224``, extra ``--model-kwargs '{"img_size": 32}'``)
-or an open_clip name / JSON config.
+or an open_clip name / JSON config, or an export folder (``tools/export.py``): a ``timm`` folder
+probes as its checkpoint, an ``open_clip_hf`` or ``hf`` CLIP folder with ``--feature embedding``
+(it gives no tokens).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import argparse
 import sys
 from typing import Optional
 
-from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
+from mmssl.evaluation.encoders import add_checkpoint_arguments, load_encoder
 from mmssl.evaluation.offline import emit_report, linear_probe_report
 from mmssl.tools._common import add_loader_arguments, add_output_json, run
 
@@ -56,7 +58,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _report(args: argparse.Namespace) -> None:
-    model = load_model(args.ckpt, args.model, args.model_kwargs, args.model_class, args.ema)
+    model = load_encoder(args.ckpt, args.model, args.model_kwargs, args.model_class, args.ema)
     fit_kwargs = {"weight_decay": args.weight_decay} if args.method == "lbfgs" else {"epochs": args.epochs}
     report = linear_probe_report(
         model, args.train_data, args.val_data, args.feature, args.method, args.all_layers,

@@ -10,8 +10,9 @@ folders when there is no ``classnames.txt``). Samples with a bad ``cls`` or an i
 ``max_image_pixels`` are skipped, named and counted (``skipped``). Prompts come
 from ``zeroshot_classification_templates.txt`` (beside the shards, else at the clip_benchmark
 root), ``--templates``, or CLIP's 80 ImageNet templates. ``--ckpt`` takes an mmssl CLIP
-Lightning checkpoint or an open_clip state dict with
-``--model NAME-or-json``; an image-only model (MAE, a fine-tuned ImageClassifier) is refused.
+Lightning checkpoint, an open_clip state dict with ``--model NAME-or-json``, or a CLIP export
+folder (``tools/export.py --format open_clip_hf`` or ``hf``); an image-only model (MAE, a
+fine-tuned ImageClassifier, a timm folder) is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import argparse
 import sys
 from typing import Optional
 
-from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
+from mmssl.evaluation.encoders import add_checkpoint_arguments, load_encoder
 from mmssl.evaluation.offline import emit_report, zero_shot_report
 from mmssl.tools._common import add_loader_arguments, add_output_json, run
 
@@ -47,7 +48,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _report(args: argparse.Namespace) -> None:
-    model = load_model(args.ckpt, args.model, None, args.model_class, args.ema)
+    model = load_encoder(args.ckpt, args.model, None, args.model_class, args.ema)
     if not hasattr(model, "encode_text"):  # a user's wrong file, not a bug: one line naming it
         raise ValueError(f"{args.ckpt}: {type(model).__name__} has no text tower: zero-shot needs a CLIP checkpoint")
     report = zero_shot_report(model, args.data, args.classnames, args.templates, args.batch_size, args.num_workers)

@@ -57,6 +57,24 @@ def pool_tokens(tokens: Tensor, feature: str) -> Tensor:
     return tokens[:, 0] if feature == "cls" else tokens[:, 1:].mean(dim=1)
 
 
+def check_probe_features(model: nn.Module, feature: str, layers: bool = False) -> None:
+    """Refuse, before any image is read, features ``model`` cannot give (an export folder's CLIP
+    gives its embedding only: open_clip and transformers have no token-level ``forward_features``).
+
+    Raises:
+        ValueError: an unknown ``feature``; ``"cls"`` / ``"avg"`` without ``forward_features``;
+            ``layers`` without ``forward_intermediates``.
+    """
+    check_feature(feature)
+    name = type(model).__name__
+    if feature != "embedding" and not hasattr(model, "forward_features"):
+        raise ValueError(f"feature {feature!r} pools the image tower's tokens, which {name} does not give "
+                         "(no forward_features): probe its embedding (--feature embedding)")
+    if layers and not hasattr(model, "forward_intermediates"):
+        raise ValueError(f"{name} has no forward_intermediates(images, pool): layer-wise probing needs it "
+                         "(MAE and CLIP with a ViT image tower have it)")
+
+
 def image_features(model: nn.Module, images: Tensor, feature: str, layers: bool = False) -> list[Tensor]:
     """Features of one batch.
 
@@ -71,16 +89,12 @@ def image_features(model: nn.Module, images: Tensor, feature: str, layers: bool 
     Returns:
         ``[final]`` or ``[final, block_1, ..., block_depth]``, each (B, D_i) in float32.
     """
+    check_probe_features(model, feature, layers)
     if feature == "embedding":
         out = [model.encode_image(images)]
     else:
         out = [pool_tokens(model.forward_features(images), feature)]
     if layers:
-        if not hasattr(model, "forward_intermediates"):
-            raise TypeError(
-                f"{type(model).__name__} has no forward_intermediates(images, pool): layer-wise "
-                "probing needs it (MAE and CLIP with a ViT image tower have it)"
-            )
         pool = "avg" if feature == "avg" else "cls"
         out += list(model.forward_intermediates(images, pool=pool))
     return [f.float() for f in out]
