@@ -26,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from mmssl.data.labeled import labeled_loader, read_classnames
+from mmssl.data.label_files import read_classnames
+from mmssl.data.labeled import labeled_loader
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.captions import generate_captions, names_class
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model

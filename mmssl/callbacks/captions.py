@@ -7,7 +7,8 @@ from typing import Optional
 import lightning.pytorch as pl
 
 from mmssl.callbacks.zero_shot import FIX
-from mmssl.data.labeled import labeled_loader, read_classnames
+from mmssl.data.label_files import read_classnames
+from mmssl.data.labeled import labeled_loader
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.captions import caption_naming_evaluate
 from mmssl.evaluation.online import check_labelled_set, evaluation_set, will_evaluate

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
-from mmssl.data.labeled import labeled_loader, read_classnames, read_templates
+from mmssl.data.label_files import read_classnames, read_templates
+from mmssl.data.labeled import labeled_loader
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.features import FeatureSet, frozen_eval, gather_feature_set, image_features
 from mmssl.evaluation.online import check_labelled_set, evaluation_set

@@ -7,7 +7,8 @@ from typing import Optional
 import lightning.pytorch as pl
 from torch import Tensor
 
-from mmssl.data.labeled import labeled_loader, read_classnames, read_templates
+from mmssl.data.label_files import read_classnames, read_templates
+from mmssl.data.labeled import labeled_loader
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.online import check_labelled_set, evaluation_set, will_evaluate
 from mmssl.evaluation.zero_shot import build_zero_shot_classifier, zero_shot_evaluate

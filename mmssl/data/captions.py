@@ -18,7 +18,7 @@ import random
 from typing import Optional, Sequence
 
 from mmssl.data.decode import BadSample
-from mmssl.data.labeled import DEFAULT_TEMPLATES, TEMPLATES_FILE, read_classnames, read_templates
+from mmssl.data.label_files import DEFAULT_TEMPLATES, TEMPLATES_FILE, read_classnames, read_templates
 
 
 class ClassCaptions:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from mmssl.data.labeled import CLASSNAMES_FILE, NSHARDS_FILE, TEMPLATES_FILE
+from mmssl.data.label_files import CLASSNAMES_FILE, NSHARDS_FILE, TEMPLATES_FILE
 from mmssl.data.shards import clip_benchmark_shard_pattern, write_clip_benchmark_files, write_samples
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "diamond")

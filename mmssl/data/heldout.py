@@ -7,7 +7,7 @@ ranks by construction, and every rank runs the same number of forwards (under FS
 is a collective). N is small (hundreds), so reading it once per rank costs little.
 
 Labels are not needed: image-text shards (``txt``, as training reads them) and labelled sets of
-:mod:`mmssl.data.labeled` (shards, clip_benchmark splits, image folders) all serve.
+:mod:`mmssl.data.label_files` (shards, clip_benchmark splits, image folders) all serve.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadSample, SampleDecoder
 from mmssl.data.folders import LabeledFolder
-from mmssl.data.labeled import is_image_folder, shard_urls
+from mmssl.data.label_files import is_image_folder, shard_urls
 from mmssl.data.sources import is_local
 
 log = logging.getLogger("mmssl.data")

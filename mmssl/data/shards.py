@@ -26,7 +26,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from mmssl.data.decode import BadSample, SampleDecoder, parse_label
-from mmssl.data.labeled import CLASSNAMES_FILE, NSHARDS_FILE, TEMPLATES_FILE, classnames_problem
+from mmssl.data.label_files import CLASSNAMES_FILE, NSHARDS_FILE, TEMPLATES_FILE, classnames_problem
 from mmssl.data.sources import INCOMPLETE_FILE, SIZES_FILE, expand_urls, is_local, read_sizes_json
 
 # inspect_shards warns about a shard whose most common label or caption covers more than this

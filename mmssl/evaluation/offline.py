@@ -10,7 +10,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from mmssl.data.labeled import labeled_loader, read_classnames, read_templates
+from mmssl.data.label_files import read_classnames, read_templates
+from mmssl.data.labeled import labeled_loader
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.features import check_probe_features, extract
 from mmssl.evaluation.knn import knn_scores

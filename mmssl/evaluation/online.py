@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from mmssl.data.folders import folder_items
-from mmssl.data.labeled import is_image_folder, labeled_loader, read_classnames, shard_urls
+from mmssl.data.label_files import is_image_folder, read_classnames, shard_urls
+from mmssl.data.labeled import labeled_loader
 from mmssl.data.sources import is_local, shard_sizes
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.features import FeatureSet, extract, gather_feature_set
@@ -97,7 +98,7 @@ def check_labelled_set(data: str, who: str, key: str, need_classnames: bool = Fa
     would leave the others waiting in a collective).
 
     Args:
-        data: the labelled set (any layout of ``mmssl.data.labeled``: clip_benchmark folder or
+        data: the labelled set (any layout of ``mmssl.data.label_files``: clip_benchmark folder or
             split, shard folder or pattern, image folder).
         who: the callback, for the message.
         key: the config key that set ``data``.

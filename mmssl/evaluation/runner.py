@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from mmssl.data.labeled import labeled_loader, shard_urls
+from mmssl.data.label_files import shard_urls
+from mmssl.data.labeled import labeled_loader
 from mmssl.data.sources import shard_sizes
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation import protocols

@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import yaml
 
-from mmssl.data.labeled import is_image_folder, read_classnames, read_templates, resolve_labeled
+from mmssl.data.label_files import is_image_folder, read_classnames, read_templates, resolve_labeled
 from mmssl.data.sources import refuse_pipe
 
 # The protocols of each task; the JSON names the one used.

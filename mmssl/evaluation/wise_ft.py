@@ -31,7 +31,8 @@ from torch import nn
 from mmssl.checkpoints.interpolate import interpolate_checkpoints
 from mmssl.checkpoints.layouts import MODEL, strip_prefix
 from mmssl.checkpoints.load import build_from_args, build_module, checkpoint_kind, read_lightning
-from mmssl.data.labeled import labeled_loader, read_classnames, read_templates
+from mmssl.data.label_files import read_classnames, read_templates
+from mmssl.data.labeled import labeled_loader
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.zero_shot import zero_shot_evaluate
 from mmssl.export.merge import merged_checkpoint

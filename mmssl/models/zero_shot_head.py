@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from mmssl.checkpoints.layouts import KINDS
 from mmssl.checkpoints.model_file import LIGHTNING, read_model_file
 from mmssl.checkpoints.read import checkpoint_exists
-from mmssl.data.labeled import DEFAULT_TEMPLATES, TEMPLATES_FILE, read_classnames, read_templates
+from mmssl.data.label_files import DEFAULT_TEMPLATES, TEMPLATES_FILE, read_classnames, read_templates
 from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
 
 # The kinds whose open_clip model's prompts make a head (CLIP; CoCa's contrastive towers).

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from mmssl.data.labeled import labeled_loader, read_templates
+from mmssl.data.label_files import read_templates
+from mmssl.data.labeled import labeled_loader
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.features import FeatureSet, gather_feature_set
 from mmssl.evaluation.zero_shot import zero_shot_evaluate
@@ -70,7 +71,7 @@ def _score(folder: str, rank: int = 0, world: int = 1) -> dict:
 
 
 def test_builtin_templates_are_clips_80():
-    from mmssl.data.labeled import OPENAI_IMAGENET_TEMPLATES
+    from mmssl.data.label_files import OPENAI_IMAGENET_TEMPLATES
 
     assert len(OPENAI_IMAGENET_TEMPLATES) == 80 and OPENAI_IMAGENET_TEMPLATES[0] == "a bad photo of a {c}."
     assert all("{c}" in t for t in OPENAI_IMAGENET_TEMPLATES)

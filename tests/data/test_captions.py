@@ -13,7 +13,7 @@ import torch
 from mmssl.data.captions import ClassCaptions, class_captions
 from mmssl.data.datamodule import ImageTextDataModule
 from mmssl.data.decode import BadSample
-from mmssl.data.labeled import read_templates
+from mmssl.data.label_files import read_templates
 from mmssl.data.pipeline import worker_batches
 
 

@@ -5,7 +5,7 @@ import pytest
 import webdataset as wds
 
 from mmssl.data.demo import demo_classnames, ensure_demo_data
-from mmssl.data.labeled import read_classnames, read_templates
+from mmssl.data.label_files import read_classnames, read_templates
 
 
 def _digest(folder: Path) -> dict[str, str]:

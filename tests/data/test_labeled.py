@@ -10,7 +10,8 @@ import torch
 from image_helpers import DecodeSpy, huge_png, write_image_folder
 from shard_helpers import image_bytes, sample_members, write_dataset, write_tar
 
-from mmssl.data.labeled import is_image_folder, labeled_loader, read_classnames, read_templates
+from mmssl.data.label_files import is_image_folder, read_classnames, read_templates
+from mmssl.data.labeled import labeled_loader
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.online import check_labelled_set
 

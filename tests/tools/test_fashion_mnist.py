@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mmssl.data.labeled import labeled_loader, read_classnames, read_templates
+from mmssl.data.label_files import read_classnames, read_templates
+from mmssl.data.labeled import labeled_loader
 from mmssl.data.transforms import eval_transform
 
 REPO = Path(__file__).resolve().parents[2]
