@@ -144,6 +144,15 @@ def test_a_transformers_folder_is_an_hf_teacher_with_its_own_signature_and_unit_
     with torch.no_grad():
         torch.testing.assert_close(text, module.encode_text(module.tokenizer(CAPTIONS)), rtol=0, atol=2e-5)
     assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    # transformers before 5 returned the projected features as a tensor (5 returns an output whose
+    # pooler_output they are): the teacher reads either.
+    model = teacher.model
+    for name in ("get_image_features", "get_text_features"):
+        newer = getattr(model, name)
+        monkeypatch.setattr(model, name, lambda newer=newer, **inputs: getattr(newer(**inputs), "pooler_output"))
+    with torch.no_grad():
+        assert torch.equal(teacher.encode_image(images), image)
+        assert torch.equal(teacher.encode_text(tokens[:, :8]), text)
 
 
 def test_an_open_clip_hub_folder_teacher_is_named_and_hashed_by_its_weights_file(tiny_clip_json, tmp_path):
@@ -154,6 +163,12 @@ def test_an_open_clip_hub_folder_teacher_is_named_and_hashed_by_its_weights_file
     assert not teacher.hf and teacher.source == str(folder)
     assert teacher.sha256 == hashlib.sha256(weights).hexdigest()
     assert teacher.signature == tokenizer_signature(resolve_model_name(tiny_clip_json), None)
+    weights_file = folder / "open_clip_model.safetensors"
+    weights_file.write_bytes(weights[: len(weights) // 2])  # a copy cut short
+    with pytest.raises(ValueError) as info:
+        load_teacher(str(folder))
+    assert str(info.value).startswith(f"{KEY}: {folder} is not a readable checkpoint (SafetensorError: ")
+    weights_file.write_bytes(weights)
     # open_clip's older hub folders hold only the pickle-free .bin state dict: read and hashed the same way.
     torch.save(load_file(str(folder / "open_clip_model.safetensors")), folder / "open_clip_pytorch_model.bin")
     (folder / "open_clip_model.safetensors").unlink()
