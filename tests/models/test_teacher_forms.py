@@ -98,6 +98,12 @@ def test_a_checkpoints_hugging_face_tokenizer_folder_decides_its_signature(tmp_p
     assert torch.equal(teacher.tokenizer(CAPTIONS), module.tokenizer(CAPTIONS))
     passed = load_teacher(str(path), tokenizer_dir=str(other))
     assert passed.signature == tokenizer_signature(name, str(other)) != teacher.signature
+    # A state dict records no tokenizer: the one passed is the teacher's.
+    state = tmp_path / "words.pt"
+    torch.save(clip_to_open_clip(module.state_dict()), state)
+    from_state = load_teacher(str(state), config, str(tokenizer))
+    assert from_state.signature == teacher.signature
+    assert torch.equal(from_state.tokenizer(CAPTIONS), module.tokenizer(CAPTIONS))
 
 
 def test_a_checkpoint_without_its_model_name_takes_the_teacher_model(tiny_clip_json, tmp_path):
