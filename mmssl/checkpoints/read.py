@@ -17,7 +17,7 @@ import pickle
 import pickletools
 import warnings
 import zipfile
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -189,13 +189,38 @@ def _set_path(tree: Any, path: tuple, value: Any) -> None:
     tree[path[-1]] = value
 
 
+def _refusing_unsafe_entries(path: str, load: Callable[[], Any]) -> None:
+    """``load()`` of a DCP folder; an entry the weights-only unpickler refused raises
+    :class:`UnsafeCheckpointError` naming the folder, where DCP raises its ``CheckpointException``
+    (a ``BaseException``, past every ``except Exception``) with each rank's traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        load()
+    except CheckpointException as err:
+        refused = [str(exc) for exc, _ in err.failures.values() if isinstance(exc, pickle.UnpicklingError)]
+        if not refused:
+            raise
+        # torch's text: the line naming the global ("Trying to load unsupported GLOBAL posix.system ..."),
+        # not its advice to load with weights_only=False.
+        what = next((line.strip() for line in refused[0].splitlines() if "GLOBAL" in line), "content torch's "
+                    "weights-only unpickler does not accept")
+        raise UnsafeCheckpointError(f"{path}: refused to load: an entry of the folder pickles what mmssl does not "
+                                    f"allow ({what}); nothing of it was run") from None
+
+
 def load_dcp(path: str, state: dict[str, Any], process_group: Any = None) -> None:
     """``torch.distributed.checkpoint.load(state, path)`` in place, read as plain data
-    (:func:`read_dcp_metadata`'s checks first). Under a process group every rank calls it."""
+    (:func:`read_dcp_metadata`'s checks first). Under a process group every rank calls it.
+
+    Raises:
+        UnsafeCheckpointError: an entry pickles a global outside the allow-list (nothing of it ran).
+    """
     import torch.distributed.checkpoint as dcp
 
     reader, planner = _safe_dcp_classes()
-    dcp.load(state, storage_reader=reader(path), planner=planner(), process_group=process_group)
+    _refusing_unsafe_entries(path, lambda: dcp.load(state, storage_reader=reader(path), planner=planner(),
+                                                    process_group=process_group))
 
 
 def read_dcp_folder(path: str) -> dict[str, Any]:
@@ -222,15 +247,19 @@ def read_dcp_folder(path: str) -> dict[str, Any]:
     planner = planner_class(flatten_state_dict=False)
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(flat, storage_reader=reader(path), planner=planner, no_dist=True)
+        _refusing_unsafe_entries(path, lambda: dcp.load(flat, storage_reader=reader(path), planner=planner,
+                                                        no_dist=True))
     flat = {**flat, **planner.state_dict}  # the planner's copy holds the non-tensor entries
     nested: dict[str, Any] = {}
     mappings = metadata.planner_data or {key: (key,) for key in flat}
     for key, value in flat.items():
         _set_path(nested, tuple(mappings.get(key, (key,))), value)
+    if "state_dict" not in nested:  # another program's dcp.save: no weights to read (an empty model would load)
+        raise ValueError(f"{path}: a sharded checkpoint folder without a state_dict entry (it holds "
+                         f"{sorted(nested)[:8]}): not a Lightning checkpoint's weights")
     scalars = set(checkpoint.get(SCALAR_KEYS) or ())
     checkpoint["state_dict"] = {k: v.reshape(()) if k in scalars and v.numel() == 1 else v
-                                for k, v in nested.get("state_dict", {}).items()}
+                                for k, v in nested["state_dict"].items()}
     # An FSDP2 run's EMA (mmssl.callbacks.EMA): the folder holds the raw weights as state_dict and
     # the average as AVERAGED_WEIGHTS; consolidated, it takes WeightAveraging's layout of a file.
     averaged = nested.get(AVERAGED_WEIGHTS)

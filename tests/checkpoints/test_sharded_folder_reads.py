@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from mmssl.checkpoints.read import (
     AVERAGED_WEIGHTS,
@@ -234,10 +233,24 @@ def test_a_shard_entry_that_pickles_code_is_refused_and_never_run(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     folder = _save(tmp_path / "last.ckpt", {"state_dict": {"w": torch.ones(2)}, "optimizer_0": {
         "state": {}, "param_groups": [{"lr": _Boom(), "params": ["w"]}]}}, meta=None)
-    # DCP wraps the weights-only unpickler's refusal (a CheckpointException, a BaseException).
-    with pytest.raises(CheckpointException, match=r"GLOBAL (posix|os)\.system"):
+    # DCP wraps the weights-only unpickler's refusal in a CheckpointException (a BaseException, past
+    # every `except Exception`): read as the refusal of a file is, naming the folder.
+    message = (f"{folder}: refused to load: an entry of the folder pickles what mmssl does not allow (Trying to "
+               "load unsupported GLOBAL {}.system whose module {} is blocked.); nothing of it was run")
+    expected = {message.format(name, name) for name in ("posix", "os")}
+    with pytest.raises(UnsafeCheckpointError) as err:
         read_checkpoint(str(folder))
-    with pytest.raises(CheckpointException, match=r"GLOBAL (posix|os)\.system"):
+    assert str(err.value) in expected
+    with pytest.raises(UnsafeCheckpointError) as err:
         load_dcp(str(folder), {"optimizer_0": {"param_groups": [{"lr": 0.0, "params": []}]}})
+    assert str(err.value) in expected
     assert not (tmp_path / "pwned").exists()
+
+
+def test_a_folder_of_another_programs_dcp_save_without_weights_is_refused_naming_it(tmp_path):
+    folder = _save(tmp_path / "other", {"model": {"w": torch.ones(2)}, "step": torch.tensor(3)}, meta=None)
+    with pytest.raises(ValueError) as err:
+        read_checkpoint(str(folder))
+    assert str(err.value) == (f"{folder}: a sharded checkpoint folder without a state_dict entry (it holds "
+                              "['model', 'step']): not a Lightning checkpoint's weights")
 
