@@ -3,8 +3,10 @@ the runner of a test's own 2-rank gloo workers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -125,3 +127,20 @@ def run_two_ranks(worker: Callable[..., None], folder: Path, *args: Any) -> list
     mp.start_processes(worker, args=(str(folder / "init"), *args, out_file), nprocs=2, start_method="fork")
     # The test's own files, which may hold its own objects (test_gradcache's masks): not weights only.
     return [torch.load(f"{out_file}.{rank}", weights_only=False) for rank in range(2)]
+
+
+@contextlib.contextmanager
+def one_process_group():
+    """A gloo process group of this process alone (skips when one is already up), destroyed after:
+    the collectives' code paths (DDP, FSDP2, DTensor) in process, where mutmut and coverage see them."""
+    import pytest
+
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already up")
+    with tempfile.TemporaryDirectory() as root:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(root, 'store')}",
+                                             rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            torch.distributed.destroy_process_group()

@@ -7,7 +7,6 @@ instead of silently changing a user's run.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ from lightning.pytorch.loggers.logger import Logger
 from torch import nn
 
 from mmssl import upstream
+from tests.helpers import one_process_group
 
 
 def _changed(library: str, internal: str, what: str) -> str:
@@ -361,25 +361,11 @@ def test_torch_batch_norms_share_the_private_base():
         "torch", "nn.modules.batchnorm._BatchNorm", "a norm without running batch statistics now derives from it")
 
 
-@contextlib.contextmanager
-def _one_process_group():
-    """A gloo process group of this process alone (skips when one is already up), destroyed after."""
-    if torch.distributed.is_initialized():
-        pytest.skip("a process group is already up")
-    with tempfile.TemporaryDirectory() as root:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(root, 'store')}",
-                                             rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            torch.distributed.destroy_process_group()
-
-
 # torch DistributedDataParallel ---------------------------------------------------------------------
 
 
 def test_ddp_forward_broadcasts_on_the_two_flags():
-    with _one_process_group():
+    with one_process_group():
         model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
         x = torch.randn(4, 3)
         with torch.no_grad():
@@ -474,7 +460,7 @@ def test_timm_randaugment_ops_apply_aug_fn():
 def test_fsdp2_forget_forward_order_empties_the_record_a_backward_prefetches_by():
     from torch.distributed.fsdp import fully_shard
 
-    with _one_process_group():
+    with one_process_group():
         model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3)))
         fully_shard(model[1])
         fully_shard(model)
