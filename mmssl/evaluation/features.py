@@ -89,7 +89,6 @@ def image_features(model: nn.Module, images: Tensor, feature: str, layers: bool 
     Returns:
         ``[final]`` or ``[final, block_1, ..., block_depth]``, each (B, D_i) in float32.
     """
-    check_probe_features(model, feature, layers)
     if feature == "embedding":
         out = [model.encode_image(images)]
     else:
@@ -138,7 +137,7 @@ def extract(
     Returns:
         The features; an empty set (zero rows, ``features == []``) if ``batches`` was empty.
     """
-    check_feature(feature)
+    check_probe_features(model, feature, layers)  # once, before the first batch is read
     chunks: list[list[Tensor]] = []
     labels: list[Tensor] = []
     index: list[Tensor] = []

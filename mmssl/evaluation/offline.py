@@ -13,7 +13,7 @@ from torch import nn
 from mmssl.data.label_files import read_classnames, read_templates
 from mmssl.data.labeled import labeled_loader
 from mmssl.data.transforms import eval_transform
-from mmssl.evaluation.features import check_probe_features, extract
+from mmssl.evaluation.features import extract
 from mmssl.evaluation.knn import knn_scores
 from mmssl.evaluation.linear import score_linear, topk_accuracy
 from mmssl.evaluation.online import num_classes_of
@@ -60,7 +60,6 @@ def linear_probe_report(
         ``method``, ``num_train``, ``num_val``, ``num_classes``, ``layers`` (per-block list),
         ``seconds``.
     """
-    check_probe_features(model, feature, layers)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     model.to(device)
