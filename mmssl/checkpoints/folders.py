@@ -37,7 +37,8 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "spiece.model", "tokenizer.mo
 RANDOM_INIT_NOTICE = "No pretrained weights loaded for model"
 
 __all__ = ["FolderModel", "HF", "OPEN_CLIP_HF", "TIMM", "build_folder", "build_hf_folder", "build_open_clip_folder",
-           "build_timm_folder", "folder_format", "open_clip_image_settings", "timm_image_settings", "weights_path"]
+           "build_timm_folder", "folder_format", "hf_projected", "open_clip_image_settings", "timm_image_settings",
+           "weights_path"]
 
 ImageSettings = tuple[int, tuple[float, ...], tuple[float, ...]]
 
@@ -210,6 +211,12 @@ def build_open_clip_folder(folder: str, tokenizer_dir: Optional[str] = None) -> 
     _load_strict(model, state, folder, OPEN_CLIP_HF_CONFIG)
     return FolderModel(folder, OPEN_CLIP_HF, model.eval(), tokenizer, *open_clip_image_settings(model), weights,
                        config["model_cfg"], source)
+
+
+def hf_projected(out) -> Tensor:
+    """The projected features of a transformers ``CLIPModel.get_image_features`` / ``get_text_features``:
+    a tensor before transformers 5, the ``pooler_output`` of an output object from 5 on."""
+    return out if isinstance(out, Tensor) else out.pooler_output
 
 
 def build_hf_folder(folder: str) -> FolderModel:

@@ -30,6 +30,7 @@ from mmssl.checkpoints.folders import (
     FolderModel,
     build_folder,
     folder_format,
+    hf_projected,
     open_clip_image_settings,
     timm_image_settings,
 )
@@ -198,14 +199,12 @@ class HFClipEncoder(nn.Module):
 
     def encode_image(self, images: Tensor, normalize: bool = True) -> Tensor:
         """(B, 3, H, W) -> (B, D) projected image embeddings."""
-        out = self.model.get_image_features(pixel_values=images)
-        out = out if isinstance(out, Tensor) else out.pooler_output
+        out = hf_projected(self.model.get_image_features(pixel_values=images))
         return F.normalize(out, dim=-1) if normalize else out
 
     def encode_text(self, tokens: Tensor, normalize: bool = True) -> Tensor:
         """(B, L) token ids -> (B, D) projected text embeddings."""
-        out = self.model.get_text_features(input_ids=tokens)
-        out = out if isinstance(out, Tensor) else out.pooler_output
+        out = hf_projected(self.model.get_text_features(input_ids=tokens))
         return F.normalize(out, dim=-1) if normalize else out
 
 

@@ -38,7 +38,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mmssl.checkpoints import UnsafeCheckpointError
-from mmssl.checkpoints.folders import HF, OPEN_CLIP_HF, TIMM, ImageSettings, build_folder, open_clip_image_settings
+from mmssl.checkpoints.folders import (
+    HF,
+    OPEN_CLIP_HF,
+    TIMM,
+    ImageSettings,
+    build_folder,
+    hf_projected,
+    open_clip_image_settings,
+)
 from mmssl.checkpoints.model_file import LIGHTNING, ModelFile, read_model_file
 from mmssl.models.lora import LORA_BASE
 from mmssl.models.open_clip_config import build_tokenizer, create_model, resolve_model_name
@@ -114,8 +122,7 @@ class Teacher(nn.Module):
     def encode_image(self, images: Tensor) -> Tensor:
         """(B, 3, S, S) images at the teacher's size and normalisation -> (B, Dt) unit vectors."""
         if self.hf:
-            out = self.model.get_image_features(pixel_values=images)
-            return F.normalize(getattr(out, "pooler_output", out), dim=-1)
+            return F.normalize(hf_projected(self.model.get_image_features(pixel_values=images)), dim=-1)
         return self.model.encode_image(images, normalize=True)
 
     def encode_text(self, tokens: Tensor) -> Tensor:
@@ -125,8 +132,7 @@ class Teacher(nn.Module):
             # tower (every transformers CLIPTextModel) never reads past the end of text, whatever the pad.
             tokens = F.pad(tokens, (0, self.context_length - tokens.shape[1]), value=0)
         if self.hf:
-            out = self.model.get_text_features(input_ids=tokens)
-            return F.normalize(getattr(out, "pooler_output", out), dim=-1)
+            return F.normalize(hf_projected(self.model.get_text_features(input_ids=tokens)), dim=-1)
         return self.model.encode_text(tokens, normalize=True)
 
 
