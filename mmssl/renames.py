@@ -150,19 +150,71 @@ def model_renames(class_paths: Iterable[str]) -> dict[str, str]:
     return out
 
 
+def model_class_path(args: list[str], read_yaml: Any) -> Optional[str]:
+    """The class the command line's model is, as LightningCLI will read it: the last of each
+    ``--config`` file's ``model`` (its ``class_path``, or a class name), ``--model CLASS`` and
+    ``--model.class_path CLASS``; ``None`` where none names one."""
+    found: Optional[str] = None
+    i = 0
+    while i < len(args):
+        flag, eq, value = args[i].partition("=")
+        if not eq and i + 1 < len(args) and flag in ("--config", "-c", "--model", "--model.class_path"):
+            value, i = args[i + 1], i + 1
+        elif not eq:
+            flag = ""
+        i += 1
+        if flag in ("--config", "-c"):
+            config = read_yaml(value)
+            model = config.get("model") if isinstance(config, dict) else None
+            found = _named_class(model) or found
+        elif flag == "--model":
+            config = read_yaml(value)  # a class name, or a file of the model's section
+            found = _named_class(config if config is not None else value) or found
+        elif flag == "--model.class_path":
+            found = value or found
+    return found
+
+
+def _named_class(model: Any) -> Optional[str]:
+    """The class a ``model`` section (a class name, or a mapping with ``class_path``) names, if any."""
+    if isinstance(model, dict):
+        model = model.get("class_path")
+    return model if isinstance(model, str) and model.replace(".", "").replace("_", "").isalnum() else None
+
+
+def _renames_of(class_path: Optional[str], fallback: Mapping[str, str]) -> Mapping[str, str]:
+    """The renames of the class at ``class_path`` (a dotted path or a short name, ``M3AE``);
+    ``fallback`` where no class is named or the name is not found."""
+    if class_path is None:
+        return fallback
+    candidates = [class_path] if "." in class_path else [f"mmssl.models.{class_path.lower()}.{class_path}",
+                                                         f"mmssl.models.{class_path}"]
+    for path in candidates:
+        cls = _class_of(path)
+        if isinstance(cls, type):
+            return renamed_args(cls)
+    return {} if "." in class_path else fallback
+
+
 def upgrade_command_line(args: list[str], renames_for_models: Mapping[str, str],
                          read_yaml: Any, dump_yaml: Any, sections: Mapping[str, Mapping[str, str]] = {}) -> list[str]:
     """A LightningCLI command line with renamed keys moved: in each ``--config`` file (passed on
     as the rewritten YAML text when anything moved), in ``--model.[init_args.]<old>`` flags and in
     ``--<section>.<old>`` flags.
 
+    The model's keys move by the renames of the model's own class (:func:`model_class_path`), so a
+    key that another class renamed stays as written (M3AE's ``image_mask_ratio`` is its own, not
+    CLIP's ``flip.mask_ratio``). Where the command line names no class, or a short name that is
+    not an mmssl model's, ``renames_for_models`` applies.
+
     Args:
         args: the command line without the program name.
-        renames_for_models: :func:`model_renames` of the model classes.
+        renames_for_models: :func:`model_renames` of the model classes, for a model of no known class.
         read_yaml: ``path -> parsed config`` (``None`` for a value that is no readable file).
         dump_yaml: ``config -> YAML text``.
         sections: ``{key: renames}`` of the CLI's own groups (:func:`upgrade_config`).
     """
+    renames_for_models = _renames_of(model_class_path(args, read_yaml), renames_for_models)
     out, moves = [], []
     config_next = False
     for arg in args:

@@ -147,3 +147,28 @@ def test_the_guards_old_flag_is_moved_and_other_sections_keep_theirs():
                                 "x.yaml", {}, sections)
     assert out == {"nonfinite_guard": {"every_n_steps": 3}, "summary": {"check_every_n_steps": 1}}
     assert moves == ["check_every_n_steps -> every_n_steps"]
+
+
+def test_the_command_line_moves_only_the_keys_its_models_class_renamed(tmp_path):
+    # M3AE's image_mask_ratio is its own: CLIP's rename of that key (to flip.mask_ratio) is no M3AE key.
+    m3ae = str(REPO / "configs/demo/m3ae.yaml")
+    read = lambda path: yaml.safe_load(open(path)) if Path(path).is_file() else None  # noqa: E731
+    for args in (["fit", "--config", m3ae, "--model.init_args.image_mask_ratio", "0.5"],
+                 ["fit", f"--config={m3ae}", "--model.init_args.image_mask_ratio=0.5"],
+                 ["fit", "--model", "M3AE", "--model.image_mask_ratio=0.5"],
+                 ["fit", "--model.class_path", "mmssl.models.m3ae.M3AE", "--model.init_args.image_mask_ratio=0.5"]):
+        assert upgrade_command_line(args, CLIP.renamed_args, read, yaml.safe_dump) == args
+    # A config file's model section without a class_path takes the class of the command line.
+    override = tmp_path / "override.yaml"
+    override.write_text("model:\n  init_args:\n    image_mask_ratio: 0.5\n")
+    args = ["fit", "--config", m3ae, "--config", str(override)]
+    assert upgrade_command_line(args, CLIP.renamed_args, read, yaml.safe_dump) == args
+    # CLIP's (the recipe's class, or the last one named) still move.
+    clip = str(REPO / "configs/demo/clip.yaml")
+    with pytest.warns(FutureWarning, match="image_mask_ratio"):
+        assert upgrade_command_line(["fit", "--config", clip, "--model.init_args.image_mask_ratio", "0.5"],
+                                    CLIP.renamed_args, read, yaml.safe_dump)[3] == "--model.init_args.flip.mask_ratio"
+    with pytest.warns(FutureWarning, match="image_mask_ratio"):
+        assert upgrade_command_line(["fit", "--config", m3ae, "--model", "mmssl.models.clip.CLIP",
+                                     "--model.image_mask_ratio=0.5"], CLIP.renamed_args, read, yaml.safe_dump)[-1] \
+            == "--model.init_args.flip.mask_ratio=0.5"
