@@ -8,6 +8,7 @@ The rest runs in-process: recipe names, ``mmssl configs``, the tool subcommands 
 from __future__ import annotations
 
 import filecmp
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,8 +29,10 @@ def _exit(args: list[str]) -> int:
 
 
 def test_a_clean_wheel_install_trains_exports_and_probes_from_an_empty_folder(tmp_path):
+    # The interpreter running the tests (a user's venv, or CI's) is the one whose packages the new venv takes.
+    env = {**os.environ, "PYTHON": sys.executable}
     run = subprocess.run([str(REPO / ".ci" / "clean_install"), str(tmp_path)], capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for check in ("every recipe, model JSON, tool and module", f"mmssl from {tmp_path}/venv/",
                   "mmssl fit --config demo/clip", "mmssl export --format open_clip", "mmssl probe -> probe.json",
