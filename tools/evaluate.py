@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import re
 import shutil
@@ -36,7 +35,7 @@ from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_encoder
 from mmssl.evaluation.features import FEATURES
-from mmssl.evaluation.report import compare, compare_markdown, write_report
+from mmssl.evaluation.report import compare, compare_markdown, write_json, write_report, write_text
 from mmssl.evaluation.runner import Runner
 from mmssl.evaluation.suite import Suite, load_suite
 from mmssl.tools._common import add_loader_arguments, add_output_json, run
@@ -142,8 +141,7 @@ def _report(args: argparse.Namespace) -> None:
         raise
     _publish(new, args.output, args.overwrite)
     if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=2)
+        write_json(args.output_json, out)
     print(f"wrote {args.output}")
 
 
@@ -156,11 +154,9 @@ def _write_results(args: argparse.Namespace, suite: Suite, folder: str) -> dict:
     results_b, _ = _score(args, suite, b, os.path.join(folder, "b"), f"B: {b}")
     rows = compare(results_a, results_b, suite.resamples, suite.seed)
     out = {"a": a, "b": b, "comparison": rows}
-    with open(os.path.join(folder, "compare.json"), "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=2)
+    write_json(os.path.join(folder, "compare.json"), out)
     table = compare_markdown(rows, a, b)
-    with open(os.path.join(folder, "compare.md"), "w", encoding="utf-8") as f:
-        f.write(table)
+    write_text(os.path.join(folder, "compare.md"), table)
     print(table)
     return out
 

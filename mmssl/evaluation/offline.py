@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Optional
 
@@ -17,6 +16,7 @@ from mmssl.evaluation.features import extract
 from mmssl.evaluation.knn import knn_scores
 from mmssl.evaluation.linear import score_linear, topk_accuracy
 from mmssl.evaluation.online import num_classes_of
+from mmssl.evaluation.report import write_json
 from mmssl.evaluation.zero_shot import zero_shot_evaluate
 
 
@@ -152,6 +152,5 @@ def emit_report(report: dict, title: str, output_json: Optional[str] = None) -> 
     """
     print(format_table(report, title))
     if output_json:
-        with open(output_json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(output_json, report)  # atomically: a kill leaves the previous results whole
         print(f"wrote {output_json}")

@@ -11,15 +11,18 @@ bootstrap draws (the sets' draws are independent).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
 import os
+import tempfile
 from typing import Any, Optional
 
 import torch
 
+from mmssl.checkpoints.io import fsync_folder
 from mmssl.evaluation.bootstrap import PairedDifference, paired_difference, percentile_interval
 from mmssl.evaluation.runner import CB_TASK, MAIN_METRIC, Result, set_seed
 
@@ -110,12 +113,12 @@ def write_report(results: list[Result], folder: str, model: str, pretrained: str
     for r in results:
         doc = result_json(r, model, pretrained, resamples, seed)
         docs.append(doc)
-        _write(os.path.join(folder, f"{result_name(r)}.json"), json.dumps(doc, indent=2))
+        write_text(os.path.join(folder, f"{result_name(r)}.json"), json.dumps(doc, indent=2))
     averages = suite_average(results)
-    _write(os.path.join(folder, "results.csv"), csv_text(results))
-    _write(os.path.join(folder, "results.md"), markdown_table(results, averages, title))
+    write_text(os.path.join(folder, "results.csv"), csv_text(results))
+    write_text(os.path.join(folder, "results.md"), markdown_table(results, averages, title))
     summary = {"model": model, "pretrained": pretrained, "results": docs, "suite_average": averages}
-    _write(os.path.join(folder, "summary.json"), json.dumps(summary, indent=2))
+    write_text(os.path.join(folder, "summary.json"), json.dumps(summary, indent=2))
     return summary
 
 
@@ -150,6 +153,37 @@ def compare_markdown(rows: list[dict[str, Any]], a: str, b: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that ``path`` is at every moment its previous content or the
+    new one, whole: a temporary file beside it, fsynced, then ``os.replace``-d over it. A kill or a
+    full disk mid-write leaves the previous results, not an empty or half-written file. What every
+    tool's ``--output-json`` and :func:`write_report` write through.
+
+    Raises:
+        OSError: the file could not be written, naming ``path``; no temporary file is left.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(temp, 0o666 & ~_umask())  # mkstemp's 0o600 -> what a plain open() would give
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    fsync_folder(folder)
+
+
+def write_json(path: str, doc: Any) -> None:
+    """``doc`` as indented JSON at ``path``, atomically (:func:`write_text`)."""
+    write_text(path, json.dumps(doc, indent=2))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
