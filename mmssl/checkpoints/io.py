@@ -23,7 +23,9 @@ import io
 import os
 import re
 import secrets
+import shutil
 import socket
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import fsspec
@@ -32,6 +34,79 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins import TorchCheckpointIO
 
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+PARTIAL, OLD = ".partial", ".old"  # a sharded folder being written; a checkpoint set aside by a replace
+
+
+def hidden_name(path: Union[str, os.PathLike], suffix: str) -> Path:
+    """``.{name}.{host}.{pid}.{random}{suffix}`` beside ``path``: outside every ``*.ckpt`` listing,
+    and naming the process that made it (:func:`writer_alive`)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}{suffix}")
+
+
+def writer_alive(hidden: Union[str, os.PathLike]) -> bool:
+    """Whether the process named in a :func:`hidden_name` may still be writing it: ``True`` for a
+    live process of this host other than this one, or a name of another host (whose processes
+    cannot be asked); ``False`` for this process (one save at a time) or a dead process here."""
+    parts = Path(hidden).name.split(".")
+    if len(parts) < 4 or not parts[-3].isdigit():
+        return True  # not a name this module made: left alone
+    host, pid = parts[-4], int(parts[-3])
+    if host != _HOST:
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, owned by another user
+        return True
+    return True
+
+
+def set_aside_paths(path: Union[str, os.PathLike]) -> list[Path]:
+    """Complete checkpoints (files or folders) that a replace set aside beside ``path`` and a kill
+    left there, newest first: :mod:`mmssl.checkpoints.resume` lists them as resume candidates."""
+    path = Path(path)
+    pattern = os.path.join(glob.escape(str(path.parent)), f".{glob.escape(path.name)}.*{OLD}")
+    found = []
+    for p in glob.glob(pattern):
+        with contextlib.suppress(OSError):
+            found.append((os.stat(p).st_mtime, Path(p)))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def remove_path(path: Union[str, os.PathLike]) -> None:
+    """Remove a file or a folder; nothing if it is gone."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def replace_path(temp: Union[str, os.PathLike], path: Union[str, os.PathLike]) -> None:
+    """Rename the complete checkpoint ``temp`` (a file or a folder) to ``path``, whatever is there.
+
+    A file over a file is one ``os.replace``. A folder, or anything over a folder, cannot be
+    renamed over in one step: the previous checkpoint is first set aside under a hidden
+    :data:`OLD` name (a resume candidate, :func:`set_aside_paths`), so that a kill between the two
+    renames still leaves it whole; it is removed once ``temp`` bears the name, with what earlier
+    kills set aside.
+    """
+    temp, path = str(temp), str(path)
+    old = None
+    if os.path.isdir(path) or (os.path.lexists(path) and os.path.isdir(temp)):
+        old = hidden_name(path, OLD)
+        os.rename(path, old)
+    if old is None and os.path.lexists(path):
+        os.replace(temp, path)
+    else:
+        os.rename(temp, path)
+    fsync_folder(os.path.dirname(os.path.abspath(path)))
+    for stale in ([old] if old else []) + set_aside_paths(path):
+        remove_path(stale)
 
 
 def _temp_name(path: str) -> str:
@@ -115,7 +190,7 @@ def atomic_torch_save(obj: Any, path: str) -> None:
             torch.save(obj, recorder)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temp, path)
+        replace_path(temp, path)  # a folder there too: a sharded run's checkpoint, resumed on one device
     except BaseException as raised:
         with contextlib.suppress(OSError):
             os.unlink(temp)
@@ -124,7 +199,6 @@ def atomic_torch_save(obj: Any, path: str) -> None:
             raise OSError(err.errno, f"could not write checkpoint {path} ({os.strerror(err.errno)}); "
                           "the previous file there, if any, is unchanged") from raised
         raise
-    fsync_folder(folder)
     _remove_stale_temps(path)
 
 
@@ -177,4 +251,5 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             _save_fsspec(fs, checkpoint, target)
 
 
-__all__ = ["AtomicCheckpointIO", "atomic_torch_save"]
+__all__ = ["OLD", "PARTIAL", "AtomicCheckpointIO", "atomic_torch_save", "hidden_name", "remove_path", "replace_path",
+           "set_aside_paths", "writer_alive"]

@@ -19,9 +19,7 @@ It loads ``meta.pt`` with ``weights_only=False`` and DCP unpickles ``.metadata``
 
 from __future__ import annotations
 
-import glob
 import os
-import secrets
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +29,15 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from mmssl.checkpoints.io import AtomicCheckpointIO, atomic_torch_save, fsync_folder
+from mmssl.checkpoints.io import (
+    OLD,
+    PARTIAL,
+    AtomicCheckpointIO,
+    atomic_torch_save,
+    hidden_name,
+    replace_path,
+    set_aside_paths,
+)
 from mmssl.checkpoints.read import (
     AVERAGED_WEIGHTS,
     AVERAGING_STATE,
@@ -46,25 +52,13 @@ from mmssl.checkpoints.read import (
 from mmssl.sharding import DTYPES, ShardingPolicy, check_sharded
 from mmssl.upstream import fsdp2_forget_forward_order, fsdp2_lazy_init
 
-PARTIAL, OLD = ".partial", ".old"
 # AVERAGED_WEIGHTS (mmssl.checkpoints.read): the folder entry of an EMA's average, sharded as the
 # parameters; the folder's ``state_dict`` holds the raw weights.
+set_aside_folders = set_aside_paths  # complete checkpoints a kill between two renames left beside a target
 
 
 class CheckpointWriteError(OSError):
     """A sharded checkpoint could not be completed; raised on every rank, naming the folder."""
-
-
-def hidden_name(path: Path, suffix: str) -> Path:
-    """``.{name}.{pid}.{random}{suffix}`` beside ``path``: outside every ``*.ckpt`` listing."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{suffix}")
-
-
-def set_aside_folders(path: Path) -> list[Path]:
-    """Complete folders a save set aside beside ``path`` and a kill left there (newest first)."""
-    pattern = os.path.join(glob.escape(str(path.parent)), f".{glob.escape(path.name)}.*{OLD}")
-    found = [Path(p) for p in glob.glob(pattern)]
-    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
 
 
 def gather_module(module: torch.nn.Module) -> None:
@@ -239,17 +233,9 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @staticmethod
     def _replace(temp: Path, path: Path) -> None:
-        """Rename the complete folder ``temp`` to ``path``, the previous ``path`` set aside first."""
-        old = None
-        if path.is_dir():
-            old = hidden_name(path, OLD)
-            os.rename(path, old)
-        elif path.exists():
-            path.unlink()
-        os.rename(temp, path)
-        fsync_folder(str(path.parent))
-        for stale in ([old] if old else []) + set_aside_folders(path):
-            shutil.rmtree(stale, ignore_errors=True)
+        """Rename the complete folder ``temp`` to ``path`` (a folder or a file there set aside first,
+        :func:`mmssl.checkpoints.io.replace_path`), then remove what killed saves left beside it."""
+        replace_path(temp, path)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Lightning's top-k clean-up: a folder checkpoint is removed whole (rank 0)."""
@@ -422,7 +408,6 @@ def is_sharded_checkpoint(path: str) -> bool:
     return is_dcp_folder(path)
 
 
-__all__ = ["AVERAGED_WEIGHTS", "CheckpointWriteError", "FSDP2Strategy", "SafeCheckpointIO", "checkpoint_folder",
-           "gather_module", "is_sharded_checkpoint", "load_averaged_weights",
-           "load_full_state", "raw_first", "reshard_module",
-           "set_aside_folders"]
+__all__ = ["AVERAGED_WEIGHTS", "OLD", "PARTIAL", "CheckpointWriteError", "FSDP2Strategy", "SafeCheckpointIO",
+           "checkpoint_folder", "gather_module", "hidden_name", "is_sharded_checkpoint", "load_averaged_weights",
+           "load_full_state", "raw_first", "reshard_module", "set_aside_folders"]

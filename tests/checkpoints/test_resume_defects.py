@@ -1,0 +1,71 @@
+"""Resume and sharded-checkpoint defects of issue #55, each pinned where it lived.
+
+- a checkpoint replacing one of the other kind (a file over a sharded folder: an FSDP2 run resumed
+  on one device; a folder over a file) replaces it atomically, as any other save does;
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmssl.checkpoints.io import OLD, atomic_torch_save
+from mmssl.checkpoints.resume import inspect_checkpoint, run_checkpoints
+
+
+def _folder_save(path: Path, step: int) -> None:
+    """``FSDP2Strategy.save_checkpoint`` in one process (no process group: DCP writes one shard)."""
+    from mmssl.checkpoints.sharded import FSDP2Strategy
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    FSDP2Strategy().save_checkpoint({"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step},
+                                    str(path))
+
+
+def _file_save(path: Path, step: int) -> None:
+    atomic_torch_save({"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step}, str(path))
+
+
+@pytest.mark.parametrize("first, then", [(_folder_save, _file_save), (_file_save, _folder_save)],
+                         ids=["file over folder", "folder over file"])
+def test_a_checkpoint_replaces_one_of_the_other_kind(first, then, tmp_path):
+    """An FSDP2 run's last.ckpt folder resumed on one device is replaced by a file (it once failed
+    every save with "Is a directory"), and a folder replaces a DDP run's file; nothing is left beside."""
+    checkpoints = tmp_path / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    first(last, 1)
+    then(last, 2)
+    assert inspect_checkpoint(str(last)) == (2, None)
+    assert last.is_dir() == (then is _folder_save)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]
+
+
+@pytest.mark.parametrize("first, then", [(_folder_save, _file_save), (_file_save, _folder_save)],
+                         ids=["file over folder", "folder over file"])
+def test_a_kill_between_the_renames_leaves_the_previous_checkpoint_a_resume_candidate(first, then, tmp_path,
+                                                                                    monkeypatch):
+    """Across kinds the previous checkpoint is set aside before the new one takes its name: a kill
+    in between leaves it whole, listed for --ckpt_path last, and the next save removes it."""
+    checkpoints = tmp_path / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    first(last, 1)
+    rename = os.rename
+
+    def killed_after_setting_aside(src, dst):
+        if str(dst) == str(last):  # the new checkpoint's rename: the process dies here
+            raise KeyboardInterrupt
+        rename(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "rename", killed_after_setting_aside)
+        with pytest.raises(KeyboardInterrupt):
+            then(last, 2)
+    [aside] = run_checkpoints(str(tmp_path))
+    assert Path(aside).name.endswith(OLD) and inspect_checkpoint(aside) == (1, None)
+    then(last, 3)
+    assert inspect_checkpoint(str(last)) == (3, None)
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.endswith(".tmp")) == ["last.ckpt"]
