@@ -19,6 +19,7 @@ It loads ``meta.pt`` with ``weights_only=False`` and DCP unpickles ``.metadata``
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 from datetime import timedelta
@@ -35,8 +36,10 @@ from mmssl.checkpoints.io import (
     AtomicCheckpointIO,
     atomic_torch_save,
     hidden_name,
+    remove_path,
     replace_path,
     set_aside_paths,
+    writer_alive,
 )
 from mmssl.checkpoints.read import (
     AVERAGED_WEIGHTS,
@@ -59,6 +62,23 @@ set_aside_folders = set_aside_paths  # complete checkpoints a kill between two r
 
 class CheckpointWriteError(OSError):
     """A sharded checkpoint could not be completed; raised on every rank, naming the folder."""
+
+
+def remove_stale_partials(path: Path, keep: Optional[Path] = None) -> list[Path]:
+    """Remove the half-written :data:`PARTIAL` folders of ``path`` that no live writer owns (a save
+    killed mid-write leaves a checkpoint's worth of shards there): those of dead processes of this
+    host (:func:`mmssl.checkpoints.io.writer_alive`), never ``keep`` (the save in progress).
+
+    Returns:
+        The folders removed.
+    """
+    pattern = os.path.join(glob.escape(str(path.parent)), f".{glob.escape(path.name)}.*{PARTIAL}")
+    removed = []
+    for found in map(Path, glob.glob(pattern)):
+        if found != keep and not writer_alive(found):
+            remove_path(found)
+            removed.append(found)
+    return removed
 
 
 def gather_module(module: torch.nn.Module) -> None:
@@ -236,6 +256,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         """Rename the complete folder ``temp`` to ``path`` (a folder or a file there set aside first,
         :func:`mmssl.checkpoints.io.replace_path`), then remove what killed saves left beside it."""
         replace_path(temp, path)
+        remove_stale_partials(path)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Lightning's top-k clean-up: a folder checkpoint is removed whole (rank 0)."""
@@ -410,4 +431,4 @@ def is_sharded_checkpoint(path: str) -> bool:
 
 __all__ = ["AVERAGED_WEIGHTS", "OLD", "PARTIAL", "CheckpointWriteError", "FSDP2Strategy", "SafeCheckpointIO",
            "checkpoint_folder", "gather_module", "hidden_name", "is_sharded_checkpoint", "load_averaged_weights",
-           "load_full_state", "raw_first", "reshard_module", "set_aside_folders"]
+           "load_full_state", "raw_first", "remove_stale_partials", "reshard_module", "set_aside_folders"]

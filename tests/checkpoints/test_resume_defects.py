@@ -2,18 +2,22 @@
 
 - a checkpoint replacing one of the other kind (a file over a sharded folder: an FSDP2 run resumed
   on one device; a folder over a file) replaces it atomically, as any other save does;
+- a save killed mid-write leaves a hidden ``.partial`` folder that the next save removes, when no
+  live writer owns it.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from mmssl.checkpoints.io import OLD, atomic_torch_save
+from mmssl.checkpoints.io import OLD, PARTIAL, atomic_torch_save, hidden_name, writer_alive
 from mmssl.checkpoints.resume import inspect_checkpoint, run_checkpoints
 
 
@@ -69,3 +73,26 @@ def test_a_kill_between_the_renames_leaves_the_previous_checkpoint_a_resume_cand
     then(last, 3)
     assert inspect_checkpoint(str(last)) == (3, None)
     assert sorted(p.name for p in checkpoints.iterdir() if not p.name.endswith(".tmp")) == ["last.ckpt"]
+
+
+def test_a_save_removes_partial_folders_that_no_live_writer_owns(tmp_path):
+    """A kill mid-save leaves a hidden half-written folder (a checkpoint's worth of shards): the
+    next save of the same target removes it; one whose writer is alive (another process here, or
+    another host's) is left alone, and so are other targets'."""
+    checkpoints = tmp_path / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    _folder_save(last, 1)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    killed = last.with_name(hidden_name(last, PARTIAL).name.replace(f".{os.getpid()}.", f".{pid}."))
+    live = last.with_name(hidden_name(last, PARTIAL).name.replace(f".{os.getpid()}.", f".{os.getppid()}."))
+    remote = last.with_name(".last.ckpt.otherhost.1.0a0b0c0d" + PARTIAL)
+    other = hidden_name(checkpoints / "epoch=0-step=1.ckpt", PARTIAL).with_name(
+        killed.name.replace("last.ckpt", "epoch=0-step=1.ckpt"))
+    for folder in (killed, live, remote, other):
+        folder.mkdir()
+        (folder / "__0_0.distcp").write_bytes(b"x" * 1024)
+    assert not writer_alive(killed) and writer_alive(live) and writer_alive(remote)
+    _folder_save(last, 2)
+    assert not killed.exists() and live.exists() and remote.exists() and other.exists()
+    assert inspect_checkpoint(str(last)) == (2, None)
