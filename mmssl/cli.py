@@ -24,6 +24,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
+from mmssl.callbacks.epoch_progress import UnfinishedEpoch
 from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.log_step import LogStepOnResume
 from mmssl.callbacks.rng_state import RNGState
@@ -41,6 +42,7 @@ from mmssl.checkpoints.resume import (
 )
 from mmssl.checkpoints.sharded import SafeCheckpointIO
 from mmssl.commands import dispatch
+from mmssl.errors import one_line_errors
 from mmssl.renames import model_renames, renamed_args, upgrade_command_line
 from mmssl.signals import install_sigterm_watchdog
 
@@ -84,6 +86,7 @@ ALWAYS_ON = {
     "evaluation_buffer_sync": EvaluationBufferSync,  # no DDP buffer broadcast in evaluation forwards (uneven batches)
     "rng_state": RNGState,  # every rank's RNG states in each checkpoint, restored on resume
     "log_step_on_resume": LogStepOnResume,  # a resumed run logs at the uninterrupted run's steps (a Lightning quirk)
+    "unfinished_epoch": UnfinishedEpoch,  # a run stopped inside an epoch resumes inside it (a Lightning quirk)
 }
 
 
@@ -368,7 +371,8 @@ def main(args: Optional[list[str]] = None) -> None:
     """
     args = dispatch(args)
     try:
-        cli_main(args, sigterm_watchdog=True)
+        with one_line_errors():  # a config value, data or checkpoint at fault: one line naming it (mmssl.errors)
+            cli_main(args, sigterm_watchdog=True)
     except OSError as err:
         if err.errno not in OUT_OF_ROOM:
             raise

@@ -17,6 +17,8 @@ import importlib
 import warnings
 from typing import Any, Iterable, Mapping, Optional
 
+from mmssl.errors import ConfigError
+
 
 def renamed_args(cls: type) -> dict[str, str]:
     """``{old: new}`` of ``cls`` and its bases (a subclass's entry wins)."""
@@ -38,7 +40,7 @@ def move_keys(init_args: Mapping[str, Any], renames: Mapping[str, str], where: s
         The rewritten arguments and the ``old -> new`` moves made.
 
     Raises:
-        ValueError: an old key and its new place both given, with different values.
+        ConfigError: an old key and its new place both given, with different values (a ``ValueError``).
     """
     out = dict(init_args)
     moves = []
@@ -50,7 +52,7 @@ def move_keys(init_args: Mapping[str, Any], renames: Mapping[str, str], where: s
         target = out if not key else _group(out, group)
         name = key or group
         if name in target and target[name] != value:
-            raise ValueError(f"{where}: {old!r} (the old name of {new!r}) is {value!r} but {new!r} is "
+            raise ConfigError(f"{where}: {old!r} (the old name of {new!r}) is {value!r} but {new!r} is "
                              f"{target[name]!r}: keep only {new!r}")
         target[name] = value
         moves.append(f"{old} -> {new}")

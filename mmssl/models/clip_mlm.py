@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from mmssl.distributed import gather_with_grad, is_distributed, rank, world_size
+from mmssl.errors import ConfigError
 from mmssl.log_cadence import logging_step
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.clip import CLIP
@@ -183,9 +184,9 @@ class CLIPMLM(CLIP):
                  itm_heads: Optional[int] = None, **clip_args: Any) -> None:
         for key, weight in (("mlm_weight", mlm_weight), ("itm_weight", itm_weight)):
             if weight < 0:
-                raise ValueError(f"model.init_args.{key} must be >= 0, got {weight}")
+                raise ConfigError(f"model.init_args.{key} must be >= 0, got {weight}")
         if not 0.0 < mlm_mask_ratio < 1.0:
-            raise ValueError(f"model.init_args.mlm_mask_ratio must be in (0, 1), got {mlm_mask_ratio}")
+            raise ConfigError(f"model.init_args.mlm_mask_ratio must be in (0, 1), got {mlm_mask_ratio}")
         check_share("model.init_args.mlm_mask_share", mlm_mask_share)
         check_share("model.init_args.mlm_random_share", mlm_random_share, 0.0, 1.0 - mlm_mask_share)
         check_clip_mlm_args(clip_args)
