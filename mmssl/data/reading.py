@@ -20,6 +20,7 @@ from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expan
 from mmssl.data.folders import folder_samples, is_folder_url
 from mmssl.data.plan import Piece
 from mmssl.data.sources import count_tar, is_local
+from mmssl.errors import DataError
 
 log = logging.getLogger("mmssl.data")
 
@@ -72,7 +73,7 @@ class Health:
         """Stop past ``max_bad_fraction``; judged once ``MIN_SEEN_FOR_FRACTION`` samples are seen, or
         ``final``ly, when the worker's planned samples have all been met."""
         if (final or self.seen >= MIN_SEEN_FOR_FRACTION) and self.bad > self.max_bad_fraction * self.seen:
-            raise RuntimeError(
+            raise DataError(
                 f"{self.bad} of {self.seen} samples were bad or missing, more than data.max_bad_fraction="
                 f"{self.max_bad_fraction}; last problems: {self.errors[-3:]}")
 
