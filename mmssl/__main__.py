@@ -1,5 +1,5 @@
 """``python -m mmssl ...`` is ``mmssl ...`` (for torchrun: ``torchrun ... -m mmssl fit ...``)."""
 
-from mmssl.cli import main
+from mmssl.entry import main
 
 main()
