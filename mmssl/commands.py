@@ -264,11 +264,19 @@ def configs_command(argv: list[str]) -> int:
             hint = f"; the closest: {', '.join(closest)}" if closest else ""
             _fail(f"configs --copy {name}: no shipped recipe or model config of that name{hint}", code=1)
         target = Path(dest) / source.name if os.path.isdir(dest) else Path(dest)
+        if os.path.islink(target):  # a dangling link too: copying would write wherever it points
+            _fail(f"configs --copy: {target} is a link (to {os.readlink(target)}); remove it or name another "
+                  "destination", code=1)
         if target.exists():
             _fail(f"configs --copy: {target} exists; remove it or name another destination", code=1)
         if not target.parent.is_dir():
             _fail(f"configs --copy: {target.parent}: no such folder", code=1)
-        shutil.copyfile(source, target)
+        try:
+            # "x": created here or refused, never opened through a link or over a file made since the checks
+            with open(source, "rb") as src, open(target, "xb") as dst:
+                shutil.copyfileobj(src, dst)
+        except FileExistsError:
+            _fail(f"configs --copy: {target} exists; remove it or name another destination", code=1)
         print(f"{source} -> {target}")
         return 0
     names = recipe_names()
