@@ -24,6 +24,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 
+from mmssl.callbacks.epoch_progress import UnfinishedEpoch
 from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.log_step import LogStepOnResume
 from mmssl.callbacks.rng_state import RNGState
@@ -85,6 +86,7 @@ ALWAYS_ON = {
     "evaluation_buffer_sync": EvaluationBufferSync,  # no DDP buffer broadcast in evaluation forwards (uneven batches)
     "rng_state": RNGState,  # every rank's RNG states in each checkpoint, restored on resume
     "log_step_on_resume": LogStepOnResume,  # a resumed run logs at the uninterrupted run's steps (a Lightning quirk)
+    "unfinished_epoch": UnfinishedEpoch,  # a run stopped inside an epoch resumes inside it (a Lightning quirk)
 }
 
 

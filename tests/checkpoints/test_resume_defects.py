@@ -96,3 +96,33 @@ def test_a_save_removes_partial_folders_that_no_live_writer_owns(tmp_path):
     _folder_save(last, 2)
     assert not killed.exists() and live.exists() and remote.exists() and other.exists()
     assert inspect_checkpoint(str(last)) == (2, None)
+
+
+def _mae_args(root: Path, demo, steps: int, *extra: str) -> list[str]:
+    """The demo MAE recipe at TINY_MAE's size on the tiny demo set: 16 steps an epoch on one process."""
+    from tests.cli_runs import REPO
+    from tests.tiny import TINY_MAE_FLAGS
+
+    return ["fit", "--config", str(REPO / "configs/demo/mae.yaml"), *TINY_MAE_FLAGS,
+            f"--data.init_args.demo_dir={demo.root}", "--data.init_args.batch_size=4",
+            "--data.init_args.num_workers=0", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=1",
+            f"--trainer.default_root_dir={root}", f"--trainer.max_steps={steps}", "--trainer.max_epochs=2",
+            "--trainer.callbacks+=tests.helpers.DumpParams", f"--trainer.callbacks.folder={root}/params", *extra]
+
+
+def test_training_longer_from_a_run_stopped_at_max_steps_continues_its_epoch(tmp_path, tiny_demo):
+    """`--trainer.max_steps 2`, then 3, then 4, each `--ckpt_path last` (max_epochs 2, 16 steps an
+    epoch): every run trains on from where the last stopped, inside epoch 0. Each stop once counted
+    epoch 0 as ended (the save is in on_train_epoch_end): the second run trained the rest of epoch
+    0 as epoch 1, and the third found max_epochs=2 reached and trained nothing."""
+    from mmssl.checkpoints.read import read_checkpoint
+    from tests.cli_runs import run_one_process
+
+    seen = []
+    for steps in (2, 3, 4):
+        run_one_process([*_mae_args(tmp_path, tiny_demo, steps), "--ckpt_path", "last"])
+        last = read_checkpoint(str(tmp_path / "version_0" / "checkpoints" / "last.ckpt"))
+        seen.append((last["global_step"], last["epoch"]))
+    assert seen == [(2, 0), (3, 0), (4, 0)]  # (global_step, epoch) after each run
+    progress = last["loops"]["fit_loop"]["epoch_progress"]["current"]
+    assert progress == {"ready": 1, "started": 1, "processed": 0, "completed": 0}  # epoch 0 under way
