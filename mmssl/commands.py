@@ -138,12 +138,43 @@ def _shipped_model_json(name: object) -> Optional[str]:
     return str(found) if found is not None else None
 
 
-def _recipe_model_name(path: str) -> object:
+def read_config(path: str) -> object:
+    """A ``--config`` file's YAML, refusing a key written twice in one mapping (PyYAML, and so
+    jsonargparse, keeps the last silently: an edited copy of a recipe that adds ``max_steps`` below
+    the one it has would run with either, unseen).
+
+    Raises:
+        OSError, yaml.YAMLError: the file does not read (jsonargparse reports it, naming the file).
+        SystemExit: a duplicate key, in one line naming the file, the key and both lines.
+    """
     import yaml  # jsonargparse's own dependency; only for the runs
 
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+            lines: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # "<<: *base": keys written beside a merge override it, as YAML means
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in lines:
+                        _fail(f"--config {path}: key {key!r} is written twice in one mapping (lines {lines[key]} "
+                              f"and {line}); keep one")
+                    lines[key] = line
+                except TypeError:  # an unhashable key: PyYAML refuses it itself
+                    pass
+            return super().construct_mapping(node, deep=deep)
+
+    with open(path, encoding="utf-8") as f:
+        return yaml.load(f, Loader=UniqueKeys)
+
+
+def _recipe_model_name(path: str) -> object:
+    import yaml
+
     try:
-        with open(path) as f:
-            config = yaml.safe_load(f)
+        config = read_config(path)
     except (OSError, yaml.YAMLError):
         return None  # jsonargparse reports it, naming the file
     model = config.get("model") if isinstance(config, dict) else None

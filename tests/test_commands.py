@@ -30,3 +30,25 @@ def test_configs_copy_refuses_a_dangling_link_and_writes_nothing_through_it(tmp_
 def test_configs_copy_writes_a_new_file(tmp_path, capsys):
     code, _ = _exit(["configs", "--copy", "demo/clip", str(tmp_path / "mine.yaml")], capsys)
     assert code == 0 and (tmp_path / "mine.yaml").read_text().startswith("#")
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("trainer:\n  max_steps: 10\n  precision: 32\n  max_steps: 20\n", "max_steps", (2, 4)),
+    ("seed_everything: 0\nmodel: {class_path: a.B}\nseed_everything: 1\n", "seed_everything", (1, 3)),
+])
+def test_a_config_with_a_key_written_twice_is_refused_naming_the_file_key_and_lines(tmp_path, capsys, text, key, lines):
+    config = tmp_path / "mine.yaml"
+    config.write_text(text)
+    code, err = _exit(["fit", "--config", str(config)], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert str(config) in err and repr(key) in err and f"lines {lines[0]} and {lines[1]}" in err
+
+
+def test_merge_keys_and_every_shipped_recipe_read(tmp_path):
+    from mmssl.commands import read_config, recipe_names, shipped_file
+
+    config = tmp_path / "merge.yaml"
+    config.write_text("base: &b {lr: 1, wd: 2}\nopt:\n  <<: *b\n  lr: 3\n")
+    assert read_config(str(config))["opt"] == {"lr": 3, "wd": 2}
+    for name in recipe_names():
+        read_config(str(shipped_file(name)))
