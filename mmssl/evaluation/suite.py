@@ -6,8 +6,8 @@ A suite is YAML (``tools/evaluate.py --suite FILE``)::
     seed: 0                    # seeds the draws, the probes' held-out split and MAE probe's init
     sets:
       demo:                                   # the set's name, used in file names and tables
-        test: ~/.cache/mmssl/demo/val         # the scored split (any labelled-set layout)
-        train: ~/.cache/mmssl/demo/train      # linear_probe and knn fit on it
+        test: ~/data/demo/val                 # the scored split (any labelled-set layout); ~ and
+        train: ~/data/demo/train              # ${VAR-default} expanded; linear_probe and knn fit on it
         limit_train: 5000                     # optional: the first N samples (shard order)
         tasks: [zero_shot, linear_probe, knn, retrieval]
 
@@ -31,6 +31,7 @@ a bad suite stops before a model is loaded.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -107,6 +108,30 @@ def _unknown(keys: Any, allowed: tuple[str, ...], where: str) -> None:
         raise SuiteError(f"{where}: unknown key {extra[0]!r} (allowed: {', '.join(allowed)})")
 
 
+# ``${VAR}``, ``${VAR-default}`` (the default where VAR is unset) and ``${VAR:-default}`` (also where empty).
+_VARIABLE = re.compile(r"\$\{(\w+)(?:(:?-)([^}]*))?\}")
+
+
+def expand_path(value: str, where: str = "path") -> str:
+    """A suite path with its environment variables and ``~`` expanded, shell-style: the demo's
+    sets are ``${XDG_CACHE_HOME-~/.cache}/mmssl/demo/val``, where ``mmssl.data.demo`` writes them.
+
+    Raises:
+        SuiteError: a ``${VAR}`` without a default whose variable is unset, naming it.
+    """
+    def variable(match: re.Match) -> str:
+        name, kind, default = match[1], match[2], match[3]
+        found = os.environ.get(name)
+        if kind == ":-" and not found or kind == "-" and found is None:
+            return default
+        if found is None:
+            raise SuiteError(f"{where}: {value!r} names the environment variable {name}, which is not set "
+                             f"(or write ${{{name}-default}})")
+        return found
+
+    return os.path.expanduser(_VARIABLE.sub(variable, value))
+
+
 def _path(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value:
         raise SuiteError(f"{where}: expected a path, got {value!r}")
@@ -114,7 +139,7 @@ def _path(value: Any, where: str) -> str:
         refuse_pipe(value, where)
     except ValueError as err:
         raise SuiteError(str(err)) from None
-    path = os.path.expanduser(value)
+    path = expand_path(value, where)
     if not os.path.exists(path) and not any(c in path for c in "{:"):  # a shard pattern is checked on reading
         raise SuiteError(f"{where}: no such set {value!r}")
     try:
