@@ -20,7 +20,7 @@ import sys
 from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_encoder
-from mmssl.evaluation.offline import emit_report, linear_probe_report
+from mmssl.evaluation.offline import check_data, emit_report, linear_probe_report
 from mmssl.tools._common import add_loader_arguments, add_output_json, run
 
 
@@ -58,6 +58,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _report(args: argparse.Namespace) -> None:
+    check_data(args.train_data, "--train-data")  # before the model loads
+    check_data(args.val_data, "--val-data")
     model = load_encoder(args.ckpt, args.model, args.model_kwargs, args.model_class, args.ema)
     fit_kwargs = {"weight_decay": args.weight_decay} if args.method == "lbfgs" else {"epochs": args.epochs}
     report = linear_probe_report(

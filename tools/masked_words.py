@@ -19,7 +19,7 @@ from mmssl.data.heldout import read_heldout
 from mmssl.data.transforms import eval_transform
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_model
 from mmssl.evaluation.masked_words import masked_word_accuracy
-from mmssl.evaluation.offline import emit_report
+from mmssl.evaluation.offline import check_data, emit_report
 from mmssl.tools._common import add_loader_arguments, add_output_json, run
 
 
@@ -41,13 +41,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _report(args: argparse.Namespace) -> None:
+    check_data(args.data)  # before the model loads
     model = load_model(args.ckpt, args.model, None, args.model_class, args.ema)
     if not hasattr(model, "predict_masked_tokens"):
         raise ValueError(f"{args.ckpt}: {type(model).__name__} predicts no masked words: an M3AE or CLIP + MLM "
                          "checkpoint is needed")
     data = os.path.expanduser(args.data)
-    if not os.path.exists(data):
-        raise FileNotFoundError(f"--data: no such file or folder {data!r}")
     held = read_heldout(data, eval_transform(model.image_size, model.image_mean, model.image_std), model.tokenizer,
                         limit=args.limit)
     if held.tokens is None or len(held) == 0:

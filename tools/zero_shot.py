@@ -22,7 +22,7 @@ import sys
 from typing import Optional
 
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_encoder
-from mmssl.evaluation.offline import emit_report, zero_shot_report
+from mmssl.evaluation.offline import check_data, emit_report, zero_shot_report
 from mmssl.tools._common import add_loader_arguments, add_output_json, run
 
 
@@ -48,6 +48,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _report(args: argparse.Namespace) -> None:
+    check_data(args.data)  # before the model loads
     model = load_encoder(args.ckpt, args.model, None, args.model_class, args.ema)
     if not hasattr(model, "encode_text"):  # a user's wrong file, not a bug: one line naming it
         raise ValueError(f"{args.ckpt}: {type(model).__name__} has no text tower: zero-shot needs a CLIP checkpoint")

@@ -149,14 +149,45 @@ def load_model(
     Returns:
         The module with the probe protocol, in eval mode, on the CPU.
     """
+    if os.path.isdir(path) and not checkpoint_exists(path):
+        kind = export_format(path)  # a folder of no known kind is refused there, its files named
+        raise ValueError(f"--ckpt {path!r} is a{'n' if kind[0] in 'aeiou' else ''} {kind} export folder, which holds "
+                         "the encoder alone: this tool reads the Lightning checkpoint (.ckpt) it was exported from")
     if not checkpoint_exists(path):
         raise FileNotFoundError(f"--ckpt: no file at {path!r}")
+    problem = not_a_checkpoint(path)
+    if problem:
+        raise ValueError(f"--ckpt {path!r} is not a checkpoint: {problem}")
     if model:
         if ema:
             raise ValueError(f"--ema reads a Lightning checkpoint's averaged weights; {path} is loaded as a state "
                              f"dict (--model {model}), which holds one set of weights")
         return load_state_dict_model(path, model, model_kwargs)
     return load_lightning(path, model_class, ema)
+
+
+# The first bytes of what torch.load and safetensors read: a zip archive (torch.save's format), a
+# pickle (torch.save's legacy format, protocol 2+), a safetensors header (a little-endian length, then JSON).
+_ZIP, _PICKLE = b"PK\x03\x04", b"\x80"
+
+
+def not_a_checkpoint(path: str) -> Optional[str]:
+    """Why the file at ``path`` is no checkpoint or state dict, read from its first bytes (a JSON model
+    config, a YAML recipe, an image, given as ``--ckpt``); ``None`` for what may be one."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if not head:
+        return "the file is empty"
+    if head.startswith((_ZIP, _PICKLE)):
+        return None
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < os.path.getsize(path):
+        return None  # safetensors
+    text = head.lstrip()
+    if text[:1] in (b"{", b"["):
+        return "it is a JSON file (a model config is --model's, or a recipe's model_name)"
+    return f"it starts with {head[:8]!r}, where a torch.save file or a .safetensors file starts otherwise"
 
 
 class OpenClipEncoder(nn.Module):

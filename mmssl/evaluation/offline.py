@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional
 
@@ -18,6 +19,20 @@ from mmssl.evaluation.linear import score_linear, topk_accuracy
 from mmssl.evaluation.online import num_classes_of
 from mmssl.evaluation.report import write_json
 from mmssl.evaluation.zero_shot import zero_shot_evaluate
+
+
+def check_data(path: str, option: str = "--data") -> None:
+    """Refuse a labelled set's path that names nothing, before a model is loaded (the set's side files,
+    ``classnames.txt``, would be looked for at ``/classnames.txt`` and named instead). A shard pattern
+    (``{00000..00009}``) or a URL is left to the reader.
+
+    Raises:
+        FileNotFoundError: no file or folder at ``path``, naming the option and the path.
+    """
+    if "{" in path or "://" in path or path.startswith("pipe:") or os.path.exists(os.path.expanduser(path)):
+        return
+    raise FileNotFoundError(f"{option} {path!r}: no such file or folder (a labelled set: a folder of shards or "
+                            "class folders, a clip_benchmark split, or a shard pattern)")
 
 
 def _loader(model: nn.Module, data: str, batch_size: int, num_workers: int):
