@@ -126,3 +126,21 @@ def test_training_longer_from_a_run_stopped_at_max_steps_continues_its_epoch(tmp
     assert seen == [(2, 0), (3, 0), (4, 0)]  # (global_step, epoch) after each run
     progress = last["loops"]["fit_loop"]["epoch_progress"]["current"]
     assert progress == {"ready": 1, "started": 1, "processed": 0, "completed": 0}  # epoch 0 under way
+
+
+@pytest.mark.parametrize("tool", ["consolidate.py", "export.py"])
+def test_a_folder_without_meta_is_refused_in_one_line_naming_it(tool, tmp_path, monkeypatch, capsys):
+    """A folder without meta.pt (the run's step, loops, hyper-parameters): `mmssl export` built a
+    default ViT-B-32 and died in a 100-line size-mismatch traceback, `mmssl consolidate` wrote
+    `global_step None` without a word. Both refuse in one line naming the folder and meta.pt."""
+    from tests.cli_runs import run_tool
+
+    folder = tmp_path / "last.ckpt"
+    _folder_save(folder, 1)
+    (folder / "meta.pt").unlink()
+    output = tmp_path / "out.pth"
+    extra = ["--format", "timm"] if tool == "export.py" else []
+    assert run_tool(tool, ["--ckpt", str(folder), *extra, "--output", str(output)], monkeypatch) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(folder) in err and "meta.pt" in err, err
+    assert not output.exists()
