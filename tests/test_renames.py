@@ -172,3 +172,13 @@ def test_the_command_line_moves_only_the_keys_its_models_class_renamed(tmp_path)
         assert upgrade_command_line(["fit", "--config", m3ae, "--model", "mmssl.models.clip.CLIP",
                                      "--model.image_mask_ratio=0.5"], CLIP.renamed_args, read, yaml.safe_dump)[-1] \
             == "--model.init_args.flip.mask_ratio=0.5"
+
+
+def test_m3aes_own_image_mask_ratio_on_the_command_line_reaches_it(capsys):
+    from mmssl.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["fit", "--config", "demo/m3ae", "--model.init_args.image_mask_ratio", "0.5", "--print_config"])
+    out = capsys.readouterr()
+    assert info.value.code == 0, out.err[-2000:]
+    assert yaml.safe_load(out.out)["model"]["init_args"]["image_mask_ratio"] == 0.5
