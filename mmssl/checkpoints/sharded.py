@@ -188,6 +188,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._reshard()
         super().on_predict_end()
 
+    def setup_environment(self) -> None:
+        # Lightning's "auto" data-parallel size is the number of nodes (its tensor-parallel size
+        # then fills each node); mmssl shards data-parallel only, so "auto" is every rank, on
+        # however many processes a run (or a resume) starts.
+        if self._data_parallel_size == "auto" and isinstance(self._tensor_parallel_size, int):
+            self._data_parallel_size = max(1, self.num_nodes * self.num_processes // self._tensor_parallel_size)
+        super().setup_environment()
+
     def setup(self, trainer: Any) -> None:
         check_sharded(self.lightning_module, trainer)  # configure_model has run: refuse a silent replica
         super().setup(trainer)

@@ -128,6 +128,30 @@ def test_training_longer_from_a_run_stopped_at_max_steps_continues_its_epoch(tmp
     assert progress == {"ready": 1, "started": 1, "processed": 0, "completed": 0}  # epoch 0 under way
 
 
+RUN_MEAN, RUN_STD = (0.25, 0.5, 0.75), (0.2, 0.3, 0.4)  # not the recipe's (ImageNet's): the run's own
+
+
+@pytest.fixture(scope="module")
+def one_process_fsdp2_folder(tmp_path_factory, tiny_demo):
+    """A 2-step FSDP2 MAE run on one process, given only `--trainer.devices=1` over fsdp2_cpu.yaml,
+    trained with its own image_mean / image_std: its last.ckpt folder."""
+    from tests.cli_runs import PG_TIMEOUT, REPO, run_mmssl
+
+    root = tmp_path_factory.mktemp("fsdp2_one")
+    args = [*_mae_args(root, tiny_demo, 2), "--config", str(REPO / "configs/trainer/fsdp2_cpu.yaml"), PG_TIMEOUT,
+            "--trainer.devices=1", f"--model.init_args.image_mean={list(RUN_MEAN)}",
+            f"--model.init_args.image_std={list(RUN_STD)}"]
+    proc = run_mmssl(args, root, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return root / "version_0" / "checkpoints" / "last.ckpt"
+
+
+def test_fsdp2_data_parallel_size_follows_the_world_size(one_process_fsdp2_folder):
+    """fsdp2_cpu.yaml on one process with `--trainer.devices=1` alone: it once fixed
+    data_parallel_size 2 and failed ("... multiplied should equal the world size (1)")."""
+    assert one_process_fsdp2_folder.is_dir() and inspect_checkpoint(str(one_process_fsdp2_folder)) == (2, None)
+
+
 @pytest.mark.parametrize("tool", ["consolidate.py", "export.py"])
 def test_a_folder_without_meta_is_refused_in_one_line_naming_it(tool, tmp_path, monkeypatch, capsys):
     """A folder without meta.pt (the run's step, loops, hyper-parameters): `mmssl export` built a
