@@ -30,6 +30,7 @@ from mmssl.callbacks.log_step import LogStepOnResume
 from mmssl.callbacks.rng_state import RNGState
 from mmssl.callbacks.summary import RunSummary
 from mmssl.checkpoints.layouts import KINDS
+from mmssl.checkpoints.read import LIGHTNING_META, read_checkpoint
 from mmssl.checkpoints.resume import (
     RUN_ENV,
     check_checkpoint,
@@ -40,7 +41,7 @@ from mmssl.checkpoints.resume import (
     run_checkpoints,
     versions,
 )
-from mmssl.checkpoints.sharded import SafeCheckpointIO
+from mmssl.checkpoints.sharded import SafeCheckpointIO, is_sharded_checkpoint
 from mmssl.commands import dispatch
 from mmssl.errors import one_line_errors
 from mmssl.renames import model_renames, renamed_args, upgrade_command_line
@@ -151,6 +152,24 @@ class MMSSLCLI(LightningCLI):
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if isinstance(ckpt_path, str) and os.path.isfile(ckpt_path):
             check_checkpoint(ckpt_path)
+        elif isinstance(ckpt_path, str) and is_sharded_checkpoint(ckpt_path):
+            self._apply_folder_hyper_parameters(str(subcommand), ckpt_path)
+
+    def _apply_folder_hyper_parameters(self, subcommand: str, folder: str) -> None:
+        """The model's init arguments of a checkpoint folder's ``meta.pt`` over the command line's,
+        as LightningCLI applies a checkpoint file's (``hyper_parameters``, its ``_class_path``
+        the model's class): it reads files only, so ``validate`` or ``fit`` from an FSDP2 run's
+        folder ran with the recipe's values (another ``image_mean``: other figures than training's)."""
+        meta = os.path.join(folder, LIGHTNING_META)
+        if not os.path.isfile(meta):
+            return  # refused, naming the file, where the folder is loaded
+        hparams = dict(read_checkpoint(meta).get("hyper_parameters") or {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
 
     def before_instantiate_classes(self) -> None:
         # After parsing, so that `--help` and `--print_config` work whatever the environment holds.

@@ -152,6 +152,25 @@ def test_fsdp2_data_parallel_size_follows_the_world_size(one_process_fsdp2_folde
     assert one_process_fsdp2_folder.is_dir() and inspect_checkpoint(str(one_process_fsdp2_folder)) == (2, None)
 
 
+def test_validate_from_a_folder_runs_with_the_runs_settings(one_process_fsdp2_folder, tmp_path, tiny_demo):
+    """`mmssl validate --ckpt_path <folder>` builds the model with the run's hyper-parameters, as
+    from a file (LightningCLI applies a file's only): the folder and its consolidated file give the
+    same val/loss, with the run's image_mean / image_std, not the recipe's."""
+    from mmssl.checkpoints.read import read_checkpoint
+    from mmssl.cli import cli_main
+    from tests.cli_runs import last_metrics
+
+    consolidated = tmp_path / "consolidated.ckpt"
+    torch.save(read_checkpoint(str(one_process_fsdp2_folder)), consolidated)
+    losses = {}
+    for name, ckpt in (("folder", one_process_fsdp2_folder), ("file", consolidated)):
+        args = _mae_args(tmp_path / name, tiny_demo, 2)[1:-2]  # no fit, no DumpParams
+        cli = cli_main(["validate", *args, "--ckpt_path", str(ckpt)])
+        assert (tuple(cli.model.image_mean), tuple(cli.model.image_std)) == (RUN_MEAN, RUN_STD), name
+        losses[name] = last_metrics(tmp_path / name / "version_0")["val/loss"]
+    assert losses["folder"] == losses["file"]
+
+
 @pytest.mark.parametrize("tool", ["consolidate.py", "export.py"])
 def test_a_folder_without_meta_is_refused_in_one_line_naming_it(tool, tmp_path, monkeypatch, capsys):
     """A folder without meta.pt (the run's step, loops, hyper-parameters): `mmssl export` built a
