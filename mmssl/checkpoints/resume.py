@@ -28,11 +28,48 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
+import torch
+
 from mmssl.checkpoints.read import LIGHTNING_META, read_checkpoint, read_dcp_metadata
+from mmssl.checkpoints.read import _safe_dcp_classes as safe_dcp_classes
 
 JOB_FILE = "slurm_job.txt"
 RUN_ENV = "MMSSL_RUN"  # rank 0's plan, for the ranks Lightning starts as its children
 _VERSION = re.compile(r"version_(\d+)")
+
+
+SAVE_ID = "save_id"  # meta.pt's key, and the folder entry each rank writes into its shard
+
+
+def check_save_id(path: str) -> None:
+    """Refuse a checkpoint folder whose shards are not all of the save its ``meta.pt`` records (a
+    shard copied from another run of the same size reads without error, mixing two runs' weights).
+    A folder saved before save ids were recorded passes. No collective: each caller reads the ids
+    (one number per rank) itself.
+
+    Raises:
+        ValueError: naming the folder and the first shard of another save.
+    """
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    metadata = read_dcp_metadata(path)
+    meta_file = os.path.join(path, LIGHTNING_META)
+    recorded = read_checkpoint(meta_file).get(SAVE_ID) if os.path.isfile(meta_file) else None
+    keys = sorted(k for k in metadata.state_dict_metadata if k.startswith(f"{SAVE_ID}."))
+    if not keys or not isinstance(recorded, int):
+        return
+    state = {SAVE_ID: {k.split(".", 1)[1]: torch.zeros(1, dtype=torch.int64) for k in keys}}
+    reader, planner = safe_dcp_classes()  # the one reader's: metadata types only, weights_only=True
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader(path), planner=planner(), no_dist=True)
+    shard_of = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+    for key in keys:
+        if int(state[SAVE_ID][key.split(".", 1)[1]].item()) != recorded:
+            raise ValueError(f"{path}: shard {shard_of.get(key, key)} is not of this checkpoint's save (its save id "
+                             f"differs from {LIGHTNING_META}'s): a shard copied from another checkpoint")
 
 
 @dataclass
@@ -97,7 +134,7 @@ def inspect_checkpoint(path: str) -> tuple[Optional[int], Optional[str]]:
 
 def _inspect_folder(path: str) -> tuple[Optional[int], Optional[str]]:
     try:
-        read_dcp_metadata(path)
+        check_save_id(path)  # read_dcp_metadata's checks, then every shard of the save meta.pt records
         step = read_checkpoint(os.path.join(path, LIGHTNING_META), mmap=True).get("global_step")
     except Exception as err:  # any failure to read is a reason to pass the folder over
         return None, f"an incomplete sharded checkpoint ({type(err).__name__}: {err})"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import glob
 import os
+import secrets
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -52,6 +53,7 @@ from mmssl.checkpoints.read import (
     read_checkpoint,
     read_dcp_metadata,
 )
+from mmssl.checkpoints.resume import SAVE_ID, check_save_id
 from mmssl.sharding import DTYPES, ShardingPolicy, check_sharded
 from mmssl.upstream import fsdp2_forget_forward_order, fsdp2_lazy_init
 
@@ -219,6 +221,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             # the EMA callback), and the average its own entry, each sharded as the parameters.
             state = {"state_dict": checkpoint.pop(RAW_WEIGHTS), AVERAGED_WEIGHTS: state["state_dict"]}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        # The save's identity, drawn on rank 0 and agreed by broadcast: each rank writes it into its
+        # own shard and meta.pt records it, so a shard of another save is refused on read.
+        save_id = int(self.broadcast(secrets.randbits(62)))
+        state[SAVE_ID] = {f"rank{self.global_rank}": torch.tensor([save_id], dtype=torch.int64)}
+        checkpoint[SAVE_ID] = save_id
         self._on_every_rank(lambda: temp.mkdir(parents=True), f"create {temp.name}", temp, path)
         try:
             dcp.save(state, checkpoint_id=temp)  # .metadata written last, by the coordinator
@@ -302,6 +309,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
             return checkpoint
         read_dcp_metadata(path)  # a named error for a torn or crafted folder, before any state moves
+        check_save_id(path)  # every shard of the save meta.pt records
         meta = raw_first(read_checkpoint(os.path.join(path, LIGHTNING_META)), path)
         model_state = {"state_dict": get_model_state_dict(self.model)}
         load_dcp(path, model_state)
@@ -370,6 +378,8 @@ class SafeCheckpointIO(AtomicCheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if is_dcp_folder(str(path)):
+            check_save_id(str(path))  # every shard of the save meta.pt records
         return raw_first(read_checkpoint(str(path)), str(path))
 
 
@@ -437,6 +447,7 @@ def is_sharded_checkpoint(path: str) -> bool:
     return is_dcp_folder(path)
 
 
-__all__ = ["AVERAGED_WEIGHTS", "OLD", "PARTIAL", "CheckpointWriteError", "FSDP2Strategy", "SafeCheckpointIO",
-           "checkpoint_folder", "gather_module", "hidden_name", "is_sharded_checkpoint", "load_averaged_weights",
-           "load_full_state", "raw_first", "remove_stale_partials", "reshard_module", "set_aside_folders"]
+__all__ = ["AVERAGED_WEIGHTS", "OLD", "PARTIAL", "SAVE_ID", "CheckpointWriteError", "FSDP2Strategy",
+           "SafeCheckpointIO", "check_save_id", "checkpoint_folder", "gather_module", "hidden_name",
+           "is_sharded_checkpoint", "load_averaged_weights", "load_full_state", "raw_first", "remove_stale_partials",
+           "reshard_module", "set_aside_folders"]

@@ -187,3 +187,27 @@ def test_a_folder_without_meta_is_refused_in_one_line_naming_it(tool, tmp_path, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(folder) in err and "meta.pt" in err, err
     assert not output.exists()
+
+
+def test_a_shard_of_another_save_is_refused_naming_the_folder_and_the_shard(tmp_path, monkeypatch, capsys):
+    """Two saves of the same size: a shard copied from one into the other once read without a word
+    (consolidate mixed two runs' weights, fit --ckpt_path resumed them). Each save records its id in
+    meta.pt and in every rank's shard; a folder whose shard holds another id is refused, naming it."""
+    from mmssl.checkpoints.sharded import SafeCheckpointIO
+    from tests.cli_runs import run_tool
+
+    mine, other = tmp_path / "mine" / "last.ckpt", tmp_path / "other" / "last.ckpt"
+    _folder_save(mine, 1)
+    _folder_save(other, 1)
+    assert inspect_checkpoint(str(mine)) == (1, None)
+    [shard] = [p.name for p in mine.iterdir() if p.suffix == ".distcp"]
+    (mine / shard).write_bytes((other / shard).read_bytes())
+    step, why = inspect_checkpoint(str(mine))  # --ckpt_path last passes it over
+    assert step is None and shard in why and "another checkpoint" in why
+    with pytest.raises(ValueError, match=f"{mine}: shard {shard} is not of this checkpoint's save"):
+        SafeCheckpointIO().load_checkpoint(str(mine))  # a resume from the folder
+    output = tmp_path / "full.ckpt"
+    assert run_tool("consolidate.py", ["--ckpt", str(mine), "--output", str(output)], monkeypatch) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(mine) in err and shard in err, err
+    assert not output.exists()
