@@ -9,7 +9,8 @@ subcommand is a tool, ``tools/X.py`` of a clone, shipped as ``mmssl.tools.X``: `
 
 LitGPT's shape (``litgpt pretrain | finetune | evaluate | convert``, configs shipped in the package
 and named on the command line). Imports no torch: ``mmssl --help`` and a tool's ``--help`` stay fast;
-this module is imported by ``mmssl.cli`` only, and imports a tool only to run it.
+this module is imported by ``mmssl.entry`` (the console script) and ``mmssl.cli`` only, and imports a
+tool only to run it.
 """
 
 from __future__ import annotations

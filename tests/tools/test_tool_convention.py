@@ -6,6 +6,7 @@ anything is built."""
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -63,6 +64,7 @@ def test_usage_error_exits_2(tool, capsys):
 def test_missing_input_exits_1_with_one_line_naming_it(tool, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     Image.new("RGB", (8, 8)).save("a.png")  # the --images of the image tools, there to be checked
+    os.mkdir("a"), os.mkdir("b")  # the data sets: there, checked before a model loads (MISSING is the one absent)
     assert _main(tool)(list(CASES[tool])) == 1
     captured = capsys.readouterr()
     assert captured.err.startswith(f"{tool}: ") and captured.err.count("\n") == 1, captured.err
