@@ -139,10 +139,11 @@ def _shipped_model_json(name: object) -> Optional[str]:
     return str(found) if found is not None else None
 
 
-def read_config(path: str) -> object:
-    """A ``--config`` file's YAML, refusing a key written twice in one mapping (PyYAML, and so
-    jsonargparse, keeps the last silently: an edited copy of a recipe that adds ``max_steps`` below
-    the one it has would run with either, unseen).
+def read_config(path: str, option: str = "--config") -> object:
+    """A ``--config`` file's YAML (or another YAML file the command line names, ``option``'s),
+    refusing a key written twice in one mapping (PyYAML, and so jsonargparse, keeps the last
+    silently: an edited copy of a recipe that adds ``max_steps`` below the one it has would run with
+    either, unseen).
 
     Raises:
         OSError, yaml.YAMLError: the file does not read (jsonargparse reports it, naming the file).
@@ -160,7 +161,7 @@ def read_config(path: str) -> object:
                 line = key_node.start_mark.line + 1
                 try:
                     if key in lines:
-                        _fail(f"--config {path}: key {key!r} is written twice in one mapping (lines {lines[key]} "
+                        _fail(f"{option} {path}: key {key!r} is written twice in one mapping (lines {lines[key]} "
                               f"and {line}); keep one")
                     lines[key] = line
                 except TypeError:  # an unhashable key: PyYAML refuses it itself
@@ -169,6 +170,18 @@ def read_config(path: str) -> object:
 
     with open(path, encoding="utf-8") as f:
         return yaml.load(f, Loader=UniqueKeys)
+
+
+def _check_yaml_value(option: str, value: str) -> None:
+    """A YAML file given as an option's value (``--trainer t.yaml``, ``--model m.yaml``) read as
+    :func:`read_config` reads a ``--config`` file: a key written twice is refused."""
+    import yaml
+
+    if option.startswith("-") and value.endswith((".yaml", ".yml")) and os.path.isfile(value):
+        try:
+            read_config(value, option)
+        except (OSError, yaml.YAMLError):
+            pass  # jsonargparse reports it, naming the file
 
 
 def _recipe_model_name(path: str) -> object:
@@ -208,6 +221,7 @@ def resolve_run_arguments(argv: list[str]) -> list[str]:
                     i += 2
                     continue
                 token = f"{key}={_shipped_model_json(inline) or inline}"
+            _check_yaml_value(key, inline or (argv[i + 1] if i + 1 < len(argv) else ""))
             out.append(token)
             i += 1
             continue

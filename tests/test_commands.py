@@ -52,3 +52,11 @@ def test_merge_keys_and_every_shipped_recipe_read(tmp_path):
     assert read_config(str(config))["opt"] == {"lr": 3, "wd": 2}
     for name in recipe_names():
         read_config(str(shipped_file(name)))
+
+
+def test_a_yaml_file_given_to_another_option_is_checked_alike(tmp_path, capsys):
+    trainer = tmp_path / "trainer.yaml"
+    trainer.write_text("max_steps: 1\nmax_steps: 2\n")
+    for args in (["fit", "--trainer", str(trainer)], ["fit", f"--trainer={trainer}"]):
+        code, err = _exit(args, capsys)
+        assert code == 2 and f"--trainer {trainer}: key 'max_steps'" in err and "lines 1 and 2" in err, err
