@@ -137,3 +137,29 @@ def _in_forked_child() -> None:
 
 def _exit_now(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(signum: int = signal.SIGKILL) -> bool:
+    """Have the kernel send ``signum`` to this process when its parent ends (Linux ``prctl``).
+
+    Data-loader workers call it: torch's own check that the parent is gone runs only between batches
+    (a worker stuck in a read or a lock never gets there), and a worker left behind holds its share
+    of memory and files until someone kills it.
+
+    Returns:
+        Whether it was set (Linux only); ``False`` where the parent already ended.
+    """
+    import ctypes
+    import ctypes.util
+
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    return os.getppid() == parent  # the parent may have ended before the call

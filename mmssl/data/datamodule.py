@@ -34,7 +34,7 @@ from mmssl.data.demo import demo_data
 from mmssl.data.options import check_data_options
 from mmssl.data.pipeline import META_KEYS, ShardStream, StreamSpec, plan_stream
 from mmssl.data.sources import DataSpec, count_samples, expand_urls, parse_sources, shard_sizes
-from mmssl.data.state import EpochLoader, StreamPosition, run_seed, run_skipped
+from mmssl.data.state import EpochLoader, StreamPosition, run_seed, run_skipped, start_worker_server
 from mmssl.data.teacher_embeddings import TeacherEmbeddings, check_shards
 from mmssl.data.transforms import (
     OPENAI_MEAN,
@@ -223,6 +223,9 @@ class ImageTextDataModule(pl.LightningDataModule):
             demo_data(self.demo_dir)  # generated once per node, before setup on all ranks
 
     def setup(self, stage: str) -> None:
+        if self.num_workers > 0:
+            # Its imports run beside the model's build (mmssl.data.state.worker_context).
+            start_worker_server(self.tokenizer, self.teacher_tokenizer, self.captions)
         if self._seed_follows_run:  # before a checkpoint's seed is loaded (Lightning restores after setup)
             self.seed = run_seed(self.trainer)
         if self.train_data is None:

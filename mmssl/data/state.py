@@ -14,8 +14,12 @@ and reported.
 
 from __future__ import annotations
 
+import functools
+import io
+import multiprocessing
 import os
-from typing import Any, Callable, Optional
+import pickle
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -23,6 +27,90 @@ from torch.utils.data import DataLoader
 
 from mmssl.data.pipeline import EpochRun, ShardStream, StreamSpec
 from mmssl.data.plan import EpochPlan, Generation, Topology
+
+# How loader workers start. Not by fork from the rank (torch's default on Linux): a rank forks while
+# gloo's threads (gloo_tcp_loop, two pt_gloo_runloop), the TCP store's, Lightning's child observer,
+# the SIGTERM watchdog and the queue feeders of a loader still open (the training loader's, while
+# validation starts its own) run, so a worker inherits any lock one of them held at that instant,
+# held forever, plus the rank's gloo sockets, signal handlers and every object (with finalizers)
+# of the rank's heap. The CI hang (a worker of rank 1 that never handed over a batch) is of that
+# kind as far as can be told (it was not reproduced; earlier fixes removed two inherited handlers
+# that used the rank's connections), and tests/data/test_worker_start.py shows a forked worker wait
+# forever on a lock a thread of the rank held. A fork server is one clean process per rank (a fresh
+# interpreter that imports the data code and the tokenizer's modules once) that forks the workers:
+# they inherit nothing of the rank. Measured (tests' tiny set, open_clip tokenizer, 2 workers, 2
+# cores at load 6, first batch of an epoch): fork 0.6-0.8 s; forkserver 18 s for the rank's first
+# loader when nothing overlaps the server's imports (the data module starts it in setup, so the
+# model's build does: :func:`start_worker_server`), then 0.7-0.8 s, as fork; forkserver importing
+# only the stream's module, 7-12 s at every epoch (each worker imported the rest); spawn 28 s at
+# every epoch (each worker imports torch): too slow for workers started per epoch.
+# ``$MMSSL_WORKER_START`` (fork, forkserver, spawn) overrides it.
+WORKER_START_ENV = "MMSSL_WORKER_START"
+DEFAULT_WORKER_START = "forkserver"
+_PRELOAD = ["mmssl.data.datamodule"]
+
+
+def worker_context(preload: Sequence[str] = ()) -> multiprocessing.context.BaseContext:
+    """The multiprocessing context loader workers start from (see ``DEFAULT_WORKER_START``).
+
+    Args:
+        preload: modules the fork server imports besides the stream's (used only by the call that
+            starts the server).
+
+    Raises:
+        ValueError: ``$MMSSL_WORKER_START`` names no start method of this system.
+    """
+    method = os.environ.get(WORKER_START_ENV, "").strip() or DEFAULT_WORKER_START
+    if method not in multiprocessing.get_all_start_methods():
+        raise ValueError(f"environment variable {WORKER_START_ENV}={method!r}: expected one of "
+                         f"{', '.join(multiprocessing.get_all_start_methods())}")
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(sorted({*_PRELOAD, *preload}))  # kept by a server already running
+    return context
+
+
+def modules_of(*objects: Any) -> list[str]:
+    """The modules that unpickling ``objects`` imports (of every object and class pickled), so a
+    fork server can import them once: a worker that imports open_clip for its tokenizer pays
+    seconds at every epoch. Objects that cannot be pickled add nothing."""
+    found: set[str] = set()
+
+    class Recorder(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> None:
+            module = getattr(obj, "__module__", None) if isinstance(obj, type) else type(obj).__module__
+            if isinstance(module, str):
+                found.add(module)
+            return None
+
+    for obj in objects:
+        if obj is not None:
+            try:
+                Recorder(io.BytesIO()).dump(obj)
+            except Exception:  # noqa: BLE001 - an object that cannot be pickled fails in the loader, named there
+                continue
+    return sorted(m for m in found if m != "builtins" and not m.startswith("__"))
+
+
+def start_worker_server(*objects: Any) -> None:
+    """Start this process's fork server now, if workers start from one, importing the modules
+    that ``objects`` (what the workers will receive: the tokenizer...) need: its imports then run
+    beside the rank's own start-up instead of before the first batch. Returns at once."""
+    context = worker_context(modules_of(*objects))
+    if context.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def _start_worker(user_init: Optional[Callable[[int], None]], worker_id: int) -> None:
+    """Each loader worker's first call: it dies with its parent (the fork server, which ends
+    with the rank), and runs ``user_init`` if given."""
+    from mmssl.signals import die_with_parent
+
+    die_with_parent()
+    if user_init is not None:
+        user_init(worker_id)
 
 
 def run_seed(trainer: Any = None) -> int:
@@ -199,7 +287,8 @@ class EpochLoader(DataLoader):
 
     Workers are not persistent: they are started per epoch and receive the stream with its epoch
     set, which makes the epoch explicit (no counter hidden in worker copies, which only advanced
-    while workers persisted). Forked worker start-up costs well under a second per epoch.
+    while workers persisted). Workers start from a fork server (``DEFAULT_WORKER_START``): about
+    0.1 s per epoch once the server runs, as a fork from the rank, without inheriting its threads' locks.
 
     Args:
         dataset: the stream.
@@ -219,6 +308,9 @@ class EpochLoader(DataLoader):
         # Worker seeds come from this generator, re-seeded from (seed, epoch) at each ``iter``: a
         # DataLoader draws them from the global torch RNG otherwise, so opening a loader would
         # move the model's random stream (masks, dropout) by a step that a resumed run does not take.
+        if kwargs.get("num_workers", 0) > 0:
+            kwargs.setdefault("multiprocessing_context", worker_context(modules_of(dataset)))
+            kwargs["worker_init_fn"] = functools.partial(_start_worker, kwargs.get("worker_init_fn"))
         super().__init__(dataset, batch_size=None, persistent_workers=False, generator=torch.Generator(), **kwargs)
         self.epoch_fn, self.position, self._calls = epoch_fn, position, 0
         if position is not None:
