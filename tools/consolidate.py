@@ -15,7 +15,6 @@ import os
 
 from mmssl.checkpoints.io import atomic_torch_save
 from mmssl.checkpoints.read import LIGHTNING_META, is_dcp_folder, read_dcp_folder
-from mmssl.checkpoints.resume import check_save_id
 from mmssl.tools._common import run
 
 
@@ -39,7 +38,6 @@ def _consolidate(ckpt: str, output: str, overwrite: bool) -> int:
         raise IsADirectoryError(f"--output {output!r} is a folder: name the checkpoint file to write")
     if os.path.lexists(output) and not overwrite:
         raise FileExistsError(f"--output {output!r} exists: pass --overwrite to replace it")
-    check_save_id(ckpt)  # every shard of the save meta.pt records, not a copy of another run's
     checkpoint = read_dcp_folder(ckpt)
     atomic_torch_save(checkpoint, output)
     print(f"wrote {len(checkpoint['state_dict'])} tensors and {len(checkpoint['optimizer_states'])} optimizer "

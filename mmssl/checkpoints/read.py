@@ -80,6 +80,7 @@ def _offending_globals(path: str) -> list[str]:
 DCP_METADATA, LIGHTNING_META = ".metadata", "meta.pt"
 # Entry of a checkpoint naming the weights that are 0-d in the model and saved (1,) by a sharded run.
 SCALAR_KEYS = "scalar_keys"
+SAVE_ID = "save_id"  # meta.pt's key, and the folder entry each rank of a sharded save writes into its shard
 _DCP_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
@@ -223,6 +224,36 @@ def load_dcp(path: str, state: dict[str, Any], process_group: Any = None) -> Non
                                                     process_group=process_group))
 
 
+def check_save_id(path: str) -> None:
+    """Refuse a checkpoint folder whose shards are not all of the save its ``meta.pt`` records (a
+    shard copied from another run of the same size reads without error, mixing two runs' weights).
+    A folder saved before save ids were recorded passes. No collective: each caller reads the ids
+    (one number per rank) itself.
+
+    Raises:
+        ValueError: naming the folder and the first shard of another save.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    metadata = read_dcp_metadata(path)
+    meta_file = os.path.join(path, LIGHTNING_META)
+    recorded = read_checkpoint(meta_file).get(SAVE_ID) if os.path.isfile(meta_file) else None
+    keys = sorted(k for k in metadata.state_dict_metadata if k.startswith(f"{SAVE_ID}."))
+    if not keys or not isinstance(recorded, int):
+        return
+    state = {SAVE_ID: {k.split(".", 1)[1]: torch.zeros(1, dtype=torch.int64) for k in keys}}
+    reader, planner = _safe_dcp_classes()
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        _refusing_unsafe_entries(path, lambda: dcp.load(state, storage_reader=reader(path), planner=planner(),
+                                                        no_dist=True))
+    shard_of = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+    for key in keys:
+        if int(state[SAVE_ID][key.split(".", 1)[1]].item()) != recorded:
+            raise ValueError(f"{path}: shard {shard_of.get(key, key)} is not of this checkpoint's save (its save id "
+                             f"differs from {LIGHTNING_META}'s): a shard copied from another checkpoint")
+
+
 def read_dcp_folder(path: str) -> dict[str, Any]:
     """A DCP checkpoint folder as one Lightning checkpoint dict, in this process (no process group).
 
@@ -235,6 +266,7 @@ def read_dcp_folder(path: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = read_dcp_metadata(path)
+    check_save_id(path)
     meta_file = os.path.join(path, LIGHTNING_META)
     checkpoint = read_checkpoint(meta_file) if os.path.isfile(meta_file) else {}
     flat: dict[str, Any] = {}

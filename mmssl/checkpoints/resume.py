@@ -28,48 +28,11 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-import torch
-
-from mmssl.checkpoints.read import LIGHTNING_META, read_checkpoint, read_dcp_metadata
-from mmssl.checkpoints.read import _safe_dcp_classes as safe_dcp_classes
+from mmssl.checkpoints.read import LIGHTNING_META, check_save_id, read_checkpoint
 
 JOB_FILE = "slurm_job.txt"
 RUN_ENV = "MMSSL_RUN"  # rank 0's plan, for the ranks Lightning starts as its children
 _VERSION = re.compile(r"version_(\d+)")
-
-
-SAVE_ID = "save_id"  # meta.pt's key, and the folder entry each rank writes into its shard
-
-
-def check_save_id(path: str) -> None:
-    """Refuse a checkpoint folder whose shards are not all of the save its ``meta.pt`` records (a
-    shard copied from another run of the same size reads without error, mixing two runs' weights).
-    A folder saved before save ids were recorded passes. No collective: each caller reads the ids
-    (one number per rank) itself.
-
-    Raises:
-        ValueError: naming the folder and the first shard of another save.
-    """
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    metadata = read_dcp_metadata(path)
-    meta_file = os.path.join(path, LIGHTNING_META)
-    recorded = read_checkpoint(meta_file).get(SAVE_ID) if os.path.isfile(meta_file) else None
-    keys = sorted(k for k in metadata.state_dict_metadata if k.startswith(f"{SAVE_ID}."))
-    if not keys or not isinstance(recorded, int):
-        return
-    state = {SAVE_ID: {k.split(".", 1)[1]: torch.zeros(1, dtype=torch.int64) for k in keys}}
-    reader, planner = safe_dcp_classes()  # the one reader's: metadata types only, weights_only=True
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=reader(path), planner=planner(), no_dist=True)
-    shard_of = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
-    for key in keys:
-        if int(state[SAVE_ID][key.split(".", 1)[1]].item()) != recorded:
-            raise ValueError(f"{path}: shard {shard_of.get(key, key)} is not of this checkpoint's save (its save id "
-                             f"differs from {LIGHTNING_META}'s): a shard copied from another checkpoint")
 
 
 @dataclass

@@ -47,13 +47,14 @@ from mmssl.checkpoints.read import (
     AVERAGING_STATE,
     LIGHTNING_META,
     RAW_WEIGHTS,
+    SAVE_ID,
+    check_save_id,
     has_averaged_weights,
     is_dcp_folder,
     load_dcp,
     read_checkpoint,
     read_dcp_metadata,
 )
-from mmssl.checkpoints.resume import SAVE_ID, check_save_id
 from mmssl.sharding import DTYPES, ShardingPolicy, check_sharded
 from mmssl.upstream import fsdp2_forget_forward_order, fsdp2_lazy_init
 
@@ -378,8 +379,6 @@ class SafeCheckpointIO(AtomicCheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if is_dcp_folder(str(path)):
-            check_save_id(str(path))  # every shard of the save meta.pt records
         return raw_first(read_checkpoint(str(path)), str(path))
 
 
