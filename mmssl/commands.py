@@ -151,25 +151,52 @@ def read_config(path: str, option: str = "--config") -> object:
     """
     import yaml  # jsonargparse's own dependency; only for the runs
 
-    class UniqueKeys(yaml.SafeLoader):
-        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+    with open(path, encoding="utf-8") as f:
+        loader = yaml.SafeLoader(f)
+        try:
+            # The raw node tree, before PyYAML builds it: building flattens a merge ("<<: *base")
+            # into the mapping that holds it, so a merged key and the one written beside it to
+            # override it would read as one key written twice.
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _refuse_duplicate_keys(node, loader, f"{option} {path}")
+            loader.constructed_objects = {}  # the keys built to compare them: build afresh
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+
+
+def _refuse_duplicate_keys(root: object, loader: object, where: str) -> None:
+    """Exit (:func:`_fail`) naming ``where``, the key and both lines if a mapping of the node tree
+    ``root`` (``yaml.compose``'s) holds a scalar key twice; merge keys (``<<``) are skipped. Each
+    mapping is walked once (an alias shares its anchor's node)."""
+    import yaml
+
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(reversed(node.value))  # in the file's order: the first duplicate is reported
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(child for pair in reversed(node.value) for child in reversed(pair))
             lines: dict = {}
             for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
                     continue  # "<<: *base": keys written beside a merge override it, as YAML means
-                key = self.construct_object(key_node, deep=True)
+                key = loader.construct_object(key_node)  # 1 and 1.0, as the dict built would
                 line = key_node.start_mark.line + 1
                 try:
                     if key in lines:
-                        _fail(f"{option} {path}: key {key!r} is written twice in one mapping (lines {lines[key]} "
+                        _fail(f"{where}: key {key!r} is written twice in one mapping (lines {lines[key]} "
                               f"and {line}); keep one")
                     lines[key] = line
                 except TypeError:  # an unhashable key: PyYAML refuses it itself
                     pass
-            return super().construct_mapping(node, deep=deep)
-
-    with open(path, encoding="utf-8") as f:
-        return yaml.load(f, Loader=UniqueKeys)
 
 
 def _check_yaml_value(option: str, value: str) -> None:

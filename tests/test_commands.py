@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import yaml
 
 from mmssl.commands import dispatch
 
@@ -50,6 +51,16 @@ def test_merge_keys_and_every_shipped_recipe_read(tmp_path):
     config = tmp_path / "merge.yaml"
     config.write_text("base: &b {lr: 1, wd: 2}\nopt:\n  <<: *b\n  lr: 3\n")
     assert read_config(str(config))["opt"] == {"lr": 3, "wd": 2}
+    # An anchored mapping that merges another and overrides one of its keys, merged in turn: PyYAML
+    # flattens the inner merge before the outer mapping is built, which read as "lr" written twice.
+    nested = "defaults:\n  base: &base {lr: 1, wd: 0}\n  tuned: &tuned {<<: *base, lr: 2}\nmodel: {<<: *tuned}\n"
+    config.write_text(nested)
+    assert read_config(str(config)) == yaml.safe_load(nested)
+    assert read_config(str(config))["model"] == {"lr": 2, "wd": 0}
+    # A duplicate inside a mapping reached only through an alias is still found, once.
+    config.write_text("base: &b\n  lr: 1\n  lr: 2\nopt: {<<: *b}\nagain: *b\n")
+    with pytest.raises(SystemExit):
+        read_config(str(config))
     for name in recipe_names():
         read_config(str(shipped_file(name)))
 
