@@ -35,6 +35,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 
 _HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 PARTIAL, OLD = ".partial", ".old"  # a sharded folder being written; a checkpoint set aside by a replace
+_OLD_FORMAT_END = "ckpt"  # the field before the pid in a hidden name without the host (writer_alive)
 
 
 def hidden_name(path: Union[str, os.PathLike], suffix: str) -> Path:
@@ -47,12 +48,16 @@ def hidden_name(path: Union[str, os.PathLike], suffix: str) -> Path:
 def writer_alive(hidden: Union[str, os.PathLike]) -> bool:
     """Whether the process named in a :func:`hidden_name` may still be writing it: ``True`` for a
     live process of this host other than this one, or a name of another host (whose processes
-    cannot be asked); ``False`` for this process (one save at a time) or a dead process here."""
+    cannot be asked); ``False`` for this process (one save at a time) or a dead process here.
+
+    A name of the format before the host was added, ``.{name}.{pid}.{random}{suffix}`` (folders
+    that kills left then), is read as this host's: its field before the pid is the end of the
+    checkpoint's name (``ckpt``: Lightning's checkpoints all end in ``.ckpt``), never a host."""
     parts = Path(hidden).name.split(".")
     if len(parts) < 4 or not parts[-3].isdigit():
         return True  # not a name this module made: left alone
     host, pid = parts[-4], int(parts[-3])
-    if host != _HOST:
+    if host != _HOST and not (host == _OLD_FORMAT_END and len(parts) >= 6):
         return True
     if pid == os.getpid():
         return False

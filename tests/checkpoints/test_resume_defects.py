@@ -98,6 +98,27 @@ def test_a_save_removes_partial_folders_that_no_live_writer_owns(tmp_path):
     assert inspect_checkpoint(str(last)) == (2, None)
 
 
+def test_partial_folders_named_before_the_host_was_added_are_this_hosts(tmp_path):
+    """Folders that kills left before the hidden name carried the host (``.last.ckpt.<pid>.<hex>.partial``)
+    were read as another host's ("ckpt" taken for a host name) and never removed: they are this
+    host's, removed once their process is dead, kept while it lives."""
+    checkpoints = tmp_path / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    _folder_save(last, 1)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = checkpoints / f".last.ckpt.{int(dead.stdout)}.0a0b0c0d{PARTIAL}"
+    step = checkpoints / f".epoch=0-step=1.ckpt.{int(dead.stdout)}.0a0b0c0e{PARTIAL}"
+    live = checkpoints / f".last.ckpt.{os.getppid()}.0a0b0c0f{PARTIAL}"
+    for folder in (killed, step, live):
+        folder.mkdir()
+        (folder / "__0_0.distcp").write_bytes(b"x" * 1024)
+    assert not writer_alive(killed) and not writer_alive(step) and writer_alive(live)
+    assert not writer_alive(checkpoints / f".last.ckpt.{os.getpid()}.0a0b0c0d{PARTIAL}")  # this process
+    _folder_save(last, 2)
+    assert not killed.exists() and live.exists() and step.exists()  # another target's: its own save removes it
+    assert inspect_checkpoint(str(last)) == (2, None)
+
+
 def _mae_args(root: Path, demo, steps: int, *extra: str) -> list[str]:
     """The demo MAE recipe at TINY_MAE's size on the tiny demo set: 16 steps an epoch on one process."""
     from tests.cli_runs import REPO
