@@ -8,8 +8,11 @@ own, ``mmssl.tools._common.run``). It finds such an error also where a library w
 jsonargparse's instantiation error (the constructor's error is its ``__cause__``), or a DataLoader
 worker's re-raise (the worker's traceback in the message). A ``ValueError`` whose message starts
 with the config key it names (``model.init_args.mlm_mask_ratio must be ...``, the constructors'
-convention), and the errors of the checkpoint reader (``mmssl.checkpoints``: each names its file)
-are one line too. Everything else keeps its traceback: a bug's is what fixes it.
+convention), and the checkpoint reader's deliberate refusals (:class:`CheckpointError`, and
+``mmssl.checkpoints.read.UnsafeCheckpointError``: each names its file) are one line too. Only the
+link a wrapper sets on purpose (``__cause__``: ``raise ... from``, jsonargparse's) is followed, never
+the error being handled when another was raised (``__context__``): a bug raised inside ``except
+ConfigError:`` is a bug. Everything else keeps its traceback: a bug's is what fixes it.
 
 Imports nothing: the light ``mmssl`` entry and the data workers import it freely.
 """
@@ -30,12 +33,18 @@ class DataError(RuntimeError):
     """Data the run cannot go on with (``data.max_bad_fraction`` exceeded); the message says which."""
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file or folder the reader refuses on purpose (truncated, not a checkpoint, of
+    another model kind, a shard of another save, ...); the message names it."""
+
+
 # A constructor's ValueError that names its config key first (``model.init_args.x must be ...``).
 _KEY_FIRST = re.compile(r"^(model|data|trainer|optimizer|lr_scheduler)\.[\w.]+\b")
 # The worker's traceback that torch's DataLoader puts in the message it re-raises in the main process.
 _WORKER = re.compile(r"\nOriginal Traceback \(most recent call last\):\n")
-# Which deliberate errors of the checkpoint reader name their file (mmssl.checkpoints' docstrings).
-_CHECKPOINT_ERRORS = ("ValueError", "KeyError", "UnsafeCheckpointError")
+# The reader's refusal of a file that pickles code: a pickle.UnpicklingError, not a ValueError (so
+# not a CheckpointError), and in a module this one may not import; matched by its class's name.
+_UNSAFE_CHECKPOINT = "mmssl.checkpoints.read.UnsafeCheckpointError"
 
 
 def _chain(err: BaseException) -> Iterator[BaseException]:
@@ -43,14 +52,12 @@ def _chain(err: BaseException) -> Iterator[BaseException]:
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         yield err
-        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+        err = err.__cause__  # a wrapper's "raise ... from", never the error it was handling
 
 
-def _raised_in_checkpoints(err: BaseException) -> bool:
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("mmssl.checkpoints")
+def _is_checkpoint_refusal(err: BaseException) -> bool:
+    return isinstance(err, CheckpointError) or any(
+        f"{cls.__module__}.{cls.__qualname__}" == _UNSAFE_CHECKPOINT for cls in type(err).__mro__)
 
 
 def _text(err: BaseException) -> str:
@@ -69,7 +76,7 @@ def one_line(err: BaseException) -> Optional[str]:
             return _text(cause)
         if type(cause) is ValueError and _KEY_FIRST.match(str(cause)):
             return _text(cause)
-        if type(cause).__name__ in _CHECKPOINT_ERRORS and _raised_in_checkpoints(cause):
+        if _is_checkpoint_refusal(cause):
             return _text(cause)
     return None
 

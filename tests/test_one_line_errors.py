@@ -77,3 +77,54 @@ def test_errors_wrapped_by_a_library_are_found_and_bugs_keep_their_traceback(cap
     assert exit_info.value.code == 1
     assert capsys.readouterr().err == \
         "mmssl: 70 of 70 samples were bad or missing, more than data.max_bad_fraction=0.1\n"
+
+
+@pytest.mark.parametrize("handled", [ConfigError("model.init_args.x must be > 0"),
+                                     ValueError("model.init_args.depth must be >= 1, got 0")])
+def test_a_bug_raised_while_handling_a_users_error_keeps_its_traceback(handled):
+    # The handled error is the bug's __context__, not its cause: the bug is not that error's one line.
+    with pytest.raises(AttributeError), one_line_errors():
+        try:
+            raise handled
+        except ValueError:
+            None.missing  # noqa: B018 - the bug
+    try:
+        try:
+            raise handled
+        except ValueError:
+            raise KeyError("patch_size")  # noqa: B904 - what a bug in an except block raises
+    except KeyError as err:
+        assert one_line(err) is None
+
+
+def test_a_plain_subscript_in_a_checkpoints_module_keeps_its_traceback():
+    from mmssl.checkpoints.read import lightning_weights
+
+    with pytest.raises(KeyError) as raised:
+        lightning_weights("run.ckpt", {})  # a bare checkpoint["state_dict"], its innermost frame in mmssl.checkpoints
+    assert raised.value.__traceback__ is not None and one_line(raised.value) is None
+    with pytest.raises(KeyError), one_line_errors():
+        lightning_weights("run.ckpt", {})
+
+
+def test_the_checkpoint_readers_refusals_are_one_line_naming_the_file(tmp_path, capsys):
+    from mmssl.checkpoints.read import read_checkpoint
+    from mmssl.errors import CheckpointError
+
+    path = tmp_path / "list.ckpt"
+    torch.save([1, 2], path)
+    with pytest.raises(SystemExit) as exit_info, one_line_errors():
+        read_checkpoint(str(path))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1, err
+    assert err == f"mmssl: {path}: expected a dict (checkpoint or state dict), found list\n"
+    with pytest.raises(ValueError) as raised:  # still a ValueError for every caller that catches one
+        read_checkpoint(str(path))
+    assert isinstance(raised.value, CheckpointError)
+    try:  # wrapped by a library (jsonargparse's "raise ... from")
+        try:
+            read_checkpoint(str(path))
+        except ValueError as inner:
+            raise ValueError("Problem with given class_path 'mmssl.models.MAE'") from inner
+    except ValueError as outer:
+        assert one_line(outer) == f"{path}: expected a dict (checkpoint or state dict), found list"

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from torch import Tensor, nn
 
 from mmssl.checkpoints.read import is_dcp_folder, read_state_dict
+from mmssl.errors import CheckpointError
 from mmssl.upstream import transformers_config_origin
 
 OPEN_CLIP_HF, HF, TIMM = "open_clip_hf", "hf", "timm"
@@ -94,8 +95,8 @@ def folder_format(path: str) -> Optional[str]:
             return TIMM
         if data.get("model_type") == "clip" or "CLIPModel" in (data.get("architectures") or []):
             return HF
-    raise ValueError(f"{path}: not an export folder (open_clip_config.json, a timm config.json or a transformers "
-                     f"CLIPModel config.json); it holds {sorted(os.listdir(path))[:8]}")
+    raise CheckpointError(f"{path}: not an export folder (open_clip_config.json, a timm config.json or a transformers "
+                          f"CLIPModel config.json); it holds {sorted(os.listdir(path))[:8]}")
 
 
 def weights_path(folder: str, format: str) -> str:
@@ -115,7 +116,7 @@ def _load_strict(model: nn.Module, state: dict[str, Tensor], folder: str, config
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
-        raise ValueError(f"the weights of {folder} do not fit its {config}: {str(err).strip()}") from None
+        raise CheckpointError(f"the weights of {folder} do not fit its {config}: {str(err).strip()}") from None
 
 
 def open_clip_image_settings(model: nn.Module) -> ImageSettings:
@@ -168,8 +169,8 @@ def _open_clip_tokenizer(folder: str, text_cfg: dict, tokenizer_dir: Optional[st
     context, kwargs = int(text_cfg.get("context_length", 77)), dict(text_cfg.get("tokenizer_kwargs", {}))
     if not hf_name:
         if tokenizer_dir is not None:
-            raise ValueError(f"{folder}: its open_clip config tokenizes with open_clip's built-in BPE tokenizer; "
-                             f"a tokenizer folder ({tokenizer_dir}) does not apply: leave it unset")
+            raise CheckpointError(f"{folder}: its open_clip config tokenizes with open_clip's built-in BPE tokenizer; "
+                                  f"a tokenizer folder ({tokenizer_dir}) does not apply: leave it unset")
         return SimpleTokenizer(context_length=context, **kwargs), None
     source = tokenizer_dir or folder
     _require_tokenizer(source, hf_name)
@@ -201,7 +202,7 @@ def build_open_clip_folder(folder: str, tokenizer_dir: Optional[str] = None) -> 
 
     config = read_json(os.path.join(folder, OPEN_CLIP_HF_CONFIG))
     if "model_cfg" not in config:
-        raise ValueError(f"{os.path.join(folder, OPEN_CLIP_HF_CONFIG)} has no 'model_cfg'")
+        raise CheckpointError(f"{os.path.join(folder, OPEN_CLIP_HF_CONFIG)} has no 'model_cfg'")
     weights = weights_path(folder, OPEN_CLIP_HF)
     state = read_state_dict(weights)
     tokenizer, source = _open_clip_tokenizer(folder, config["model_cfg"].get("text_cfg", {}), tokenizer_dir)
@@ -283,7 +284,7 @@ def build_folder(path: str, tokenizer_dir: Optional[str] = None, format: Optiona
     """
     format = format or folder_format(path)
     if format is None:
-        raise ValueError(f"{path}: not an export folder")
+        raise CheckpointError(f"{path}: not an export folder")
     if format == OPEN_CLIP_HF:
         return build_open_clip_folder(path, tokenizer_dir)
     return {HF: build_hf_folder, TIMM: build_timm_folder}[format](path)

@@ -25,6 +25,8 @@ from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 import torch
 from timm.layers import resample_abs_pos_embed
 
+from mmssl.errors import CheckpointError
+
 StateDict = dict[str, torch.Tensor]
 
 ENCODER = "encoder."  # MAE's MaskedViT inside the module
@@ -302,9 +304,9 @@ def fit_vit_state(state: StateDict, own: StateDict, grid_size: tuple[int, int], 
     wrong = [f"{k}: file {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in state.items()
              if v.shape != own[k].shape]
     if wrong:
-        raise ValueError(f"{path}: weights of another shape ({'; '.join(wrong[:4])}): give the model the pretrained "
-                         "ViT's sizes (an ImageClassifier's model.model_kwargs: patch_size, embed_dim, depth, "
-                         "num_heads, ...; an MAE's model.embed_dim, depth, ...)")
+        raise CheckpointError(f"{path}: weights of another shape ({'; '.join(wrong[:4])}): give the model the "
+                              "pretrained ViT's sizes (an ImageClassifier's model.model_kwargs: patch_size, embed_dim, "
+                              "depth, num_heads, ...; an MAE's model.embed_dim, depth, ...)")
     missing = sorted(set(own) - set(state))
     lacking = [k for k in missing if k not in new_keys]
     if lacking:

@@ -33,6 +33,7 @@ import yaml
 from mmssl.checkpoints.folders import folder_format
 from mmssl.checkpoints.layouts import KINDS, ModelKind, StateDict, detect_kind, kind_named, strip_ddp
 from mmssl.checkpoints.read import checkpoint_exists, lightning_weights, read_checkpoint
+from mmssl.errors import CheckpointError
 from mmssl.renames import upgrade_init_args
 from mmssl.upstream import lightning_cli_class_path
 
@@ -77,17 +78,17 @@ def checkpoint_kind(path: str, checkpoint: Mapping[str, Any], model_class: Optio
     if class_path:
         kind = kind_named(class_path)
         if kind is None:
-            raise ValueError(f"{path}: model class {class_path!r} is not one mmssl loads checkpoints into; "
-                             f"choose from {names}")
+            raise CheckpointError(f"{path}: model class {class_path!r} is not one mmssl loads checkpoints into; "
+                                  f"choose from {names}")
         return kind
     try:
         kind = detect_kind(checkpoint["state_dict"])
     except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
+        raise CheckpointError(f"{path}: {err}") from None
     if kind is None:
-        raise ValueError(f"{path}: the checkpoint names no model class (no hyper_parameters._class_path, no "
-                         f"config.yaml beside the run) and its weights are no kind mmssl knows: pass --model-class, "
-                         f"one of {names}")
+        raise CheckpointError(f"{path}: the checkpoint names no model class (no hyper_parameters._class_path, no "
+                              f"config.yaml beside the run) and its weights are no kind mmssl knows: pass "
+                              f"--model-class, one of {names}")
     return kind
 
 
@@ -122,7 +123,7 @@ def init_args(cls: type, hparams: Mapping[str, Any], path: str) -> dict[str, Any
     args = upgrade_init_args(cls, {k: v for k, v in hparams.items() if not k.startswith("_")}, path)
     unknown = sorted(set(args) - init_parameters(cls))
     if unknown:
-        raise ValueError(f"{path}: hyper-parameters {unknown} are not arguments of {cls.__name__}")
+        raise CheckpointError(f"{path}: hyper-parameters {unknown} are not arguments of {cls.__name__}")
     return args
 
 
@@ -187,8 +188,8 @@ class ModelFile:
             ValueError: a kind without an open_clip model, naming the file.
         """
         if self.kind is None or self.kind.open_clip is None:
-            raise ValueError(f"{self.path}: a {self.kind.name if self.kind else self.format} file holds no "
-                             "open_clip model")
+            raise CheckpointError(f"{self.path}: a {self.kind.name if self.kind else self.format} file holds no "
+                                  "open_clip model")
         return self.kind.open_clip(strip_ddp(self.state_dict))
 
     def vit_state(self) -> StateDict:
@@ -198,8 +199,8 @@ class ModelFile:
             ValueError: a kind without a timm ViT, naming the file; KeyError: the weights lack it.
         """
         if self.kind is None or self.kind.vit is None:
-            raise ValueError(f"{self.path}: a {self.kind.name if self.kind else self.format} checkpoint has no "
-                             "timm ViT image encoder")
+            raise CheckpointError(f"{self.path}: a {self.kind.name if self.kind else self.format} checkpoint has no "
+                                  "timm ViT image encoder")
         try:
             return self.kind.vit(strip_ddp(self.state_dict))
         except (KeyError, ValueError) as err:
@@ -241,7 +242,7 @@ def read_vit_state(path: str, where: str) -> StateDict:
     if source.format == LIGHTNING:
         return source.vit_state()
     if source.format != STATE_DICT:
-        raise ValueError(f"{path} is a {source.format} export folder: pass its weights file")
+        raise CheckpointError(f"{path} is a {source.format} export folder: pass its weights file")
     return source.state_dict
 
 
@@ -284,14 +285,15 @@ def read_model_file(path: str, ema: bool = False, model_class: Optional[str] = N
     folder = folder_format(path)
     if folder is not None:
         if ema:
-            raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this {folder} export "
-                             "folder holds one set of weights (export the average with tools/export.py --ema)")
+            raise CheckpointError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this {folder} "
+                                  "export folder holds one set of weights (export the average with tools/export.py "
+                                  "--ema)")
         return ModelFile(path, folder, {})
     checkpoint = read_checkpoint(path)
     if not isinstance(checkpoint.get("state_dict"), dict):  # a bare state dict (or an MAE release)
         if ema:
-            raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this file is a state "
-                             "dict, which holds one set of weights")
+            raise CheckpointError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this file is a "
+                                  "state dict, which holds one set of weights")
         return ModelFile(path, STATE_DICT, checkpoint)
     checkpoint = {**checkpoint, "state_dict": lightning_weights(path, checkpoint, ema)}
     try:
@@ -299,7 +301,8 @@ def read_model_file(path: str, ema: bool = False, model_class: Optional[str] = N
     except ValueError as err:
         if kinds is None or model_class:
             raise
-        raise ValueError(f"{where}: {path} is no {' or '.join(kinds)} checkpoint ({err})") from None
+        raise CheckpointError(f"{where}: {path} is no {' or '.join(kinds)} checkpoint ({err})") from None
     if kinds is not None and kind.name not in kinds:
-        raise ValueError(f"{where}: {path} is a {kind.name} checkpoint; this needs a {' or '.join(kinds)} checkpoint")
+        raise CheckpointError(f"{where}: {path} is a {kind.name} checkpoint; this needs a {' or '.join(kinds)} "
+                              "checkpoint")
     return ModelFile(path, LIGHTNING, checkpoint, kind)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 from mmssl.checkpoints.read import LIGHTNING_META, check_save_id, read_checkpoint
+from mmssl.errors import CheckpointError
 
 JOB_FILE = "slurm_job.txt"
 RUN_ENV = "MMSSL_RUN"  # rank 0's plan, for the ranks Lightning starts as its children
@@ -114,8 +115,8 @@ def check_checkpoint(path: str) -> int:
     """
     step, problem = inspect_checkpoint(path)
     if problem:
-        raise ValueError(f"checkpoint {path} is {problem}; pass another checkpoint, or --ckpt_path last "
-                         "to take the newest complete one of the run folders")
+        raise CheckpointError(f"checkpoint {path} is {problem}; pass another checkpoint, or --ckpt_path last "
+                              "to take the newest complete one of the run folders")
     return step
 
 
@@ -275,8 +276,8 @@ def plan_run(root: str, ckpt_path: Optional[str], checkpoint_dirs: Sequence[str]
         extra = [p for d in checkpoint_dirs for p in glob.glob(os.path.join(glob.escape(d), "last*.ckpt"))]
         plan = _resume_in(root, newest_first, () if ckpt_path == "hpc" else extra, ckpt_path == "hpc", notes)
         if plan is None and ckpt_path == "hpc":
-            raise ValueError(f"--ckpt_path hpc: no complete hpc_ckpt_*.ckpt in any run folder of {root}"
-                             + "".join(f"; {n}" for n in notes))
+            raise CheckpointError(f"--ckpt_path hpc: no complete hpc_ckpt_*.ckpt in any run folder of {root}"
+                                  + "".join(f"; {n}" for n in notes))
         if plan is None:
             notes.append(f"--ckpt_path last: no complete checkpoint in any run folder of {root}: "
                          "starting at step 0 in a new run folder")
