@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+import stat
 import tempfile
 from typing import Any, Optional
 
@@ -169,7 +170,7 @@ def write_text(path: str, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(temp, 0o666 & ~_umask())  # mkstemp's 0o600 -> what a plain open() would give
+        os.chmod(temp, _mode_for(path))  # mkstemp's 0o600 -> the replaced file's, or a plain open()'s
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -183,7 +184,40 @@ def write_json(path: str, doc: Any) -> None:
     write_text(path, json.dumps(doc, indent=2))
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
+def _mode_for(path: str) -> int:
+    """The permission bits a file written over ``path`` gets: the existing file's (a results file
+    made group-readable stays so), else what a plain ``open()`` gives a new one."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:  # none yet (or not to be read): a new file's
+        return 0o666 & ~_umask()
+
+
+def _proc_umask() -> Optional[int]:
+    """The process umask from ``/proc/self/status`` (Linux 4.7+), or ``None`` where it is not there."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _import_umask() -> int:
+    mask = _proc_umask()
+    if mask is None:  # no /proc: set and restore once, here at import, before any writer thread
+        mask = os.umask(0o022)
+        os.umask(mask)
     return mask
+
+
+_UMASK_AT_IMPORT = _import_umask()
+
+
+def _umask() -> int:
+    """The umask, read without changing it: ``os.umask(0)`` to read it would, for that moment, give
+    files other threads create mode 0o666."""
+    mask = _proc_umask()
+    return _UMASK_AT_IMPORT if mask is None else mask

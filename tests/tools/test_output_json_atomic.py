@@ -65,3 +65,27 @@ def test_every_scoring_tool_writes_its_json_through_the_atomic_writer():
         assert "emit_report(" in text and "open(args.output_json" not in text, tool
     evaluate = (REPO / "tools" / "evaluate.py").read_text()
     assert "write_json(args.output_json" in evaluate and "json.dump(" not in evaluate
+
+
+
+def test_a_replaced_file_keeps_its_permissions(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text("{}")
+    path.chmod(0o640)  # a results file made group-readable, not world-readable
+    write_json(str(path), {"a": 1})
+    assert path.stat().st_mode & 0o777 == 0o640 and json.loads(path.read_text()) == {"a": 1}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the umask is read from /proc")
+def test_the_umask_is_read_without_changing_it(tmp_path, monkeypatch):
+    def no_umask(mask):  # os.umask(0) to read it, even for a moment: another thread's new file is 0o666
+        raise AssertionError(f"os.umask({mask:#o}) called while writing")
+
+    mask = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", no_umask)
+        write_json(str(tmp_path / "new.json"), {"a": 1})
+    finally:
+        monkeypatch.undo()
+        os.umask(mask)
+    assert (tmp_path / "new.json").stat().st_mode & 0o777 == 0o640
