@@ -29,6 +29,7 @@ from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.log_step import LogStepOnResume
 from mmssl.callbacks.rng_state import RNGState
 from mmssl.callbacks.summary import RunSummary
+from mmssl.callbacks.watchdog import Watchdog
 from mmssl.checkpoints.layouts import KINDS
 from mmssl.checkpoints.read import LIGHTNING_META, read_checkpoint
 from mmssl.checkpoints.resume import (
@@ -88,6 +89,7 @@ ALWAYS_ON = {
     "rng_state": RNGState,  # every rank's RNG states in each checkpoint, restored on resume
     "log_step_on_resume": LogStepOnResume,  # a resumed run logs at the uninterrupted run's steps (a Lightning quirk)
     "unfinished_epoch": UnfinishedEpoch,  # a run stopped inside an epoch resumes inside it (a Lightning quirk)
+    "watchdog": Watchdog,  # a hang names the late rank and dumps every stack; a failed rank ends the others
 }
 
 

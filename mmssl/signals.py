@@ -163,3 +163,34 @@ def die_with_parent(signum: int = signal.SIGKILL) -> bool:
     except (OSError, AttributeError):
         return False
     return os.getppid() == parent  # the parent may have ended before the call
+
+
+def die_with(pid: int, signum: int = signal.SIGKILL) -> None:
+    """End this process with ``signum`` as soon as process ``pid`` ends (a daemon thread waits on it).
+
+    A data-loader worker is the child of its rank's fork server, not of the rank
+    (:mod:`mmssl.data.state`), and each worker holds the server's "rank alive" pipe open (CPython
+    passes it to every child the server forks), so a worker stuck in its own code outlived a rank
+    that died, and kept the server alive beside it: this ends both with the rank.
+    """
+    import select
+
+    def wait() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            fd = None
+        if fd is not None:
+            select.select([fd], [], [])  # readable once the process has ended
+        else:
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:
+                    pass
+                time.sleep(1.0)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=wait, name="mmssl-die-with-rank", daemon=True).start()

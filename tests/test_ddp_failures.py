@@ -24,13 +24,17 @@ def _args(tmp_path, demo, clip_json: str, timeout: str) -> list[str]:
     ]
 
 
-def test_a_desynchronised_collective_fails_with_the_timeout(tmp_path, tiny_demo, tiny_clip_json):
+def test_a_desynchronised_collective_fails_naming_the_late_rank(tmp_path, tiny_demo, tiny_clip_json):
+    """Rank 1 stops between steps; rank 0 waits in the next step's collectives. The rank watchdog
+    (mmssl/watchdog.py) ends the run at 90% of the 30 s process-group timeout, naming rank 1."""
     start = time.monotonic()
     out = run_mmssl(_args(tmp_path, tiny_demo, tiny_clip_json, "0:00:30"), tmp_path, timeout=240)
     elapsed = time.monotonic() - start
     assert out.returncode != 0
-    assert "mmssl: a collective timed out (trainer.strategy.init_args.timeout)" in out.stdout, out.stdout[-3000:]
-    assert (tmp_path / "stalled").exists() and elapsed < 180  # the 30 s timeout, not the 600 s stall
+    assert "mmssl: hang: rank 1 is late (rank 1: " in out.stdout, out.stdout[-3000:]
+    assert "rank 0: in a collective (torch.distributed." in out.stdout  # where the peer waits
+    assert (tmp_path / "runs" / "version_0" / "hang" / "rank1.txt").exists()
+    assert (tmp_path / "stalled").exists() and elapsed < 180  # the 27 s hang timeout, not the 600 s stall
 
 
 def test_sigterm_ends_a_run_stuck_in_a_collective(tmp_path, tiny_demo, tiny_clip_json):
@@ -68,5 +72,5 @@ def test_a_bad_evaluation_set_stops_every_rank_at_start(tmp_path, tiny_demo, tin
     ], tmp_path, timeout=180)
     assert out.returncode != 0
     message = f"ZeroShot: init_args.data={str(unnamed)!r}: labelled set {str(unnamed)!r} has no classnames.txt"
-    assert out.stdout.count(message) >= 2, out.stdout[-3000:]  # raised on both ranks, in setup
+    assert out.stdout.count(message) >= 1, out.stdout[-3000:]  # raised in setup (the first rank's, in full)
     assert "Sanity Checking" not in out.stdout

@@ -27,6 +27,8 @@ from torch.utils.data import DataLoader
 
 from mmssl.data.pipeline import EpochRun, ShardStream, StreamSpec
 from mmssl.data.plan import EpochPlan, Generation, Topology
+from mmssl.watchdog import current as current_watchdog
+from mmssl.watchdog import watched
 
 # How loader workers start. Not by fork from the rank (torch's default on Linux): a rank forks while
 # gloo's threads (gloo_tcp_loop, two pt_gloo_runloop), the TCP store's, Lightning's child observer,
@@ -103,12 +105,17 @@ def start_worker_server(*objects: Any) -> None:
         forkserver.ensure_running()
 
 
-def _start_worker(user_init: Optional[Callable[[int], None]], worker_id: int) -> None:
-    """Each loader worker's first call: it dies with its parent (the fork server, which ends
-    with the rank), and runs ``user_init`` if given."""
-    from mmssl.signals import die_with_parent
+def _start_worker(user_init: Optional[Callable[[int], None]], rank_pid: int, rank: int, stacks: Optional[str],
+                  worker_id: int) -> None:
+    """Each loader worker's first call: it dies with its rank and with its parent (the fork
+    server), writes its stacks on SIGUSR1 for its rank's watchdog (:mod:`mmssl.watchdog`), and
+    runs ``user_init`` if given."""
+    from mmssl.signals import die_with, die_with_parent
+    from mmssl.watchdog import worker_started
 
     die_with_parent()
+    die_with(rank_pid)
+    worker_started(rank, stacks, worker_id)
     if user_init is not None:
         user_init(worker_id)
 
@@ -310,9 +317,9 @@ class EpochLoader(DataLoader):
         # move the model's random stream (masks, dropout) by a step that a resumed run does not take.
         if kwargs.get("num_workers", 0) > 0:
             kwargs.setdefault("multiprocessing_context", worker_context(modules_of(dataset)))
-            kwargs["worker_init_fn"] = functools.partial(_start_worker, kwargs.get("worker_init_fn"))
         super().__init__(dataset, batch_size=None, persistent_workers=False, generator=torch.Generator(), **kwargs)
         self.epoch_fn, self.position, self._calls = epoch_fn, position, 0
+        self._user_init = self.worker_init_fn
         if position is not None:
             # A resumed epoch has its own length (an elastic resume changes it): set it before
             # the trainer asks for ``len``.
@@ -332,7 +339,11 @@ class EpochLoader(DataLoader):
         run = self.position.start(epoch, spec) if self.position is not None else EpochRun(epoch)
         self.dataset.set_run(run)
         self.generator.manual_seed(spec.seed * 1_000_003 + run.epoch)
-        return super().__iter__()
+        dog = current_watchdog()
+        if self.num_workers > 0:
+            self.worker_init_fn = functools.partial(_start_worker, self._user_init, os.getpid(), dog.rank if dog else 0,
+                                                    dog.folder if dog else None)
+        return watched(super().__iter__(), self.num_workers)
 
     # Lightning warns that a loader without these cannot resume mid-epoch; the position is
     # checkpointed by ImageTextDataModule.state_dict (with every rank's part), so the loader's

@@ -53,3 +53,32 @@ if _after:
         timer.start()
 
     os.register_at_fork(after_in_child=_rearm_in_child)
+
+# ``MMSSL_TEST_STALL_WORKER=RANK:BATCHES`` (tests/test_watchdog_cli.py): data-loader worker 0 of local
+# rank RANK stops after handing over BATCHES batches, in a function named for its stack dump. The
+# workers are forked by the rank's fork server, which imported this file with the rank's environment.
+_stall = os.environ.get("MMSSL_TEST_STALL_WORKER", "")
+if _stall and _stall.split(":")[0] == os.environ.get("LOCAL_RANK", "0"):
+
+    def _stall_worker_zero() -> None:
+        import time
+
+        from mmssl.data import pipeline
+
+        original, after = pipeline.ShardStream.__iter__, int(_stall.split(":")[1])
+
+        def stalled_in_the_worker() -> None:
+            time.sleep(600)
+
+        def batches(self):
+            import torch.utils.data
+
+            info = torch.utils.data.get_worker_info()
+            for served, batch in enumerate(original(self)):
+                if served == after and info is not None and info.id == 0:
+                    stalled_in_the_worker()
+                yield batch
+
+        pipeline.ShardStream.__iter__ = batches
+
+    os.register_at_fork(after_in_child=_stall_worker_zero)

@@ -1,0 +1,135 @@
+"""mmssl.watchdog in process and in small subprocesses: the hang timeout, the attempt folder, the
+message naming the late rank, a stalled data-loader worker's stacks on disk, workers that die
+with their parent. The CLI runs on 2 gloo processes: tests/test_watchdog_cli.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mmssl.watchdog import BETWEEN, RankWatchdog, attempt_folder, hang_timeout_s
+from tests.cli_runs import REPO
+
+
+def test_the_hang_timeout_comes_from_the_environment_else_below_the_process_group_timeout():
+    assert hang_timeout_s(300.0, {}) == 270.0
+    assert hang_timeout_s(None, {}) == 1800.0
+    assert hang_timeout_s(300.0, {"MMSSL_HANG_TIMEOUT_S": "20"}) == 20.0
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        with pytest.raises(ValueError, match=f"MMSSL_HANG_TIMEOUT_S={bad!r}: expected a number of seconds > 0"):
+            hang_timeout_s(300.0, {"MMSSL_HANG_TIMEOUT_S": bad})
+
+
+def test_one_launch_shares_its_attempt_folder_and_the_next_launch_has_another():
+    one = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "41000"}
+    assert attempt_folder("/r", one) == attempt_folder("/r", dict(one))
+    assert attempt_folder("/r", one) != attempt_folder("/r", {**one, "MASTER_PORT": "41001"})
+    assert attempt_folder("/r", {"SLURM_JOB_ID": "7"}) != attempt_folder("/r", {"SLURM_JOB_ID": "7",
+                                                                                 "SLURM_RESTART_COUNT": "1"})
+    assert attempt_folder("/r", one).startswith("/r/.ranks/")
+
+
+def test_the_message_names_the_rank_with_fewer_batches_and_where_it_stands(tmp_path):
+    dogs = [RankWatchdog(str(tmp_path), rank, 2, timeout_s=1000) for rank in range(2)]
+    dogs[0].batches, dogs[1].batches = 3, 2
+    dogs[0].enter("working on a batch")
+    dogs[1].enter("waiting for a batch from data-loader worker 0")
+    dogs[1].since -= 300
+    os.makedirs(dogs[0].folder)
+    for dog in dogs:
+        dog.check()  # writes its note
+    message = dogs[0].hang_message()
+    assert message.startswith("mmssl: hang: rank 1 is late (rank 1: waiting for a batch from data-loader worker 0 "
+                              "for 300 s); rank 0: working on a batch for 0 s."), message
+    assert str(tmp_path / "hang") in message
+    # Same progress: the rank outside a collective is the late one.
+    dogs[0].batches = 2
+    dogs[0].enter("in a collective (strategy.barrier)")
+    dogs[1].enter(BETWEEN, timed=False)
+    dogs[1].check()
+    assert dogs[0].hang_message().startswith("mmssl: hang: rank 1 is late (rank 1: between batches")
+
+
+STALLED_WORKER = """
+import sys, time
+sys.path[:0] = [{repo!r}]
+import torch
+from torch.utils.data import IterableDataset
+from mmssl.data.state import EpochLoader
+from mmssl.watchdog import RankWatchdog
+
+class Spec:
+    seed = 0
+
+class Stalls(IterableDataset):
+    spec = Spec()
+    def set_run(self, run):
+        pass
+    def __iter__(self):
+        def stalled_in_the_worker():
+            time.sleep(600)
+        yield torch.zeros(1)
+        stalled_in_the_worker()
+
+if __name__ == "__main__":
+    RankWatchdog({folder!r}, 0, 1, timeout_s=2, poll_s=0.2).start()
+    for batch in EpochLoader(Stalls(), num_workers=1):
+        print("got a batch", flush=True)
+"""
+
+
+def test_a_stalled_worker_ends_the_run_naming_it_with_every_stack_on_disk(tmp_path):
+    """One process, its loader's worker stalls after one batch: 2 s later (the timeout) the rank's
+    and the worker's stacks are in <run>/hang and the process ends with the message."""
+    script = tmp_path / "stall.py"
+    script.write_text(STALLED_WORKER.format(repo=str(REPO), folder=str(tmp_path / "run")))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "got a batch" in proc.stdout
+    assert "mmssl: hang: rank 0 is late (rank 0: waiting for a batch from data-loader worker 0 for " in proc.stderr
+    hang = tmp_path / "run" / "hang"
+    assert "waiting for a batch from data-loader worker 0" in (hang / "rank0.txt").read_text()
+    worker = (hang / "rank0-worker0.txt").read_text()
+    assert "stalled_in_the_worker" in worker, worker
+    assert time.monotonic() - start < 200
+    # The stalled worker (and its fork server) ended with the process: none is left behind.
+    pids = (hang / "rank0.txt").read_text().split("data-loader worker pids [", 1)[1].split("]", 1)[0]
+    deadline = time.monotonic() + 10
+    while any(_running(int(p)) for p in pids.split(",")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(int(p)) for p in pids.split(",")), pids
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+DIES_WITH_PARENT = """
+import os, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path[:0] = [{repo!r}]; "
+                          "from mmssl.signals import die_with_parent; assert die_with_parent(); "
+                          "print('ready', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "ready"
+print(child.pid, flush=True)
+os._exit(0)  # the parent dies, the child is not waited for
+"""
+
+
+def test_a_process_that_asked_dies_with_its_parent():
+    proc = subprocess.run([sys.executable, "-c", DIES_WITH_PARENT.format(repo=str(REPO))], capture_output=True,
+                          text=True, timeout=120)
+    pid = int(proc.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
