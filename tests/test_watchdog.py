@@ -133,3 +133,15 @@ def test_a_process_that_asked_dies_with_its_parent():
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+
+
+def test_the_process_group_timeout_is_read_from_lightnings_strategy():
+    """The default hang timeout rests on Lightning keeping the strategy's timeout as ``_timeout``."""
+    from datetime import timedelta
+
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    from mmssl.callbacks.watchdog import pg_timeout_s
+
+    assert pg_timeout_s(DDPStrategy(timeout=timedelta(minutes=5))) == 300.0
+    assert pg_timeout_s(SingleDeviceStrategy("cpu")) is None

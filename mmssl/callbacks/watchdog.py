@@ -9,6 +9,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 import torch.distributed
+from lightning.pytorch.utilities import rank_zero_warn
 
 from mmssl.watchdog import BETWEEN, RankWatchdog, hang_timeout_s
 
@@ -52,7 +53,12 @@ class Watchdog(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._dog is not None:
             return
-        self._dog = self._new(trainer).start()
+        try:
+            self._dog = self._new(trainer).start()
+        except OSError as err:  # a run folder it cannot write: the run goes on without it
+            rank_zero_warn(f"mmssl: no rank watchdog (hangs are not reported, a failed rank does not end the "
+                           f"others): {err}")
+            return
         strategy = trainer.strategy
         for name in COLLECTIVES:
             method = getattr(strategy, name, None)
@@ -74,7 +80,10 @@ class Watchdog(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if trainer.world_size > 1:
-            (self._dog or self._new(trainer)).failed(exception)
+            try:
+                (self._dog or self._new(trainer)).failed(exception)
+            except OSError:  # the run's own error matters more (a full disk is often both)
+                pass
         self._disarm(trainer)  # Lightning calls no teardown hook after an exception
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
