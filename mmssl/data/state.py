@@ -46,6 +46,8 @@ from mmssl.watchdog import watched
 # model's build does: :func:`start_worker_server`), then 0.7-0.8 s, as fork; forkserver importing
 # only the stream's module, 7-12 s at every epoch (each worker imported the rest); spawn 28 s at
 # every epoch (each worker imports torch): too slow for workers started per epoch.
+# The demo (configs/demo/clip.yaml's data: batch 128 of 64 px, 2 workers, load 5.7): fork 2.1-2.6 s,
+# forkserver 36 s for the first loader with no overlap, then 2.5-3.3 s.
 # ``$MMSSL_WORKER_START`` (fork, forkserver, spawn) overrides it.
 WORKER_START_ENV = "MMSSL_WORKER_START"
 DEFAULT_WORKER_START = "forkserver"
