@@ -14,7 +14,7 @@ import argparse
 import os
 
 from mmssl.checkpoints.io import atomic_torch_save
-from mmssl.checkpoints.read import LIGHTNING_META, is_dcp_folder, read_dcp_folder
+from mmssl.checkpoints.read import is_dcp_folder, read_dcp_folder
 from mmssl.tools._common import run
 
 
@@ -31,9 +31,6 @@ def main(argv: list[str] | None = None) -> int:
 def _consolidate(ckpt: str, output: str, overwrite: bool) -> int:
     if not is_dcp_folder(ckpt):
         raise FileNotFoundError(f"--ckpt {ckpt!r} is no sharded checkpoint folder (no .metadata in it)")
-    if not os.path.isfile(os.path.join(ckpt, LIGHTNING_META)):  # the step, loops and hyper-parameters
-        raise FileNotFoundError(f"--ckpt {ckpt!r} has no {LIGHTNING_META}: not a complete training checkpoint "
-                                "folder (a copy without it?); nothing written")
     if os.path.isdir(output):
         raise IsADirectoryError(f"--output {output!r} is a folder: name the checkpoint file to write")
     if os.path.lexists(output) and not overwrite:

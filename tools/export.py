@@ -38,10 +38,8 @@ is refused (mmssl.checkpoints).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from mmssl.checkpoints.read import LIGHTNING_META, is_dcp_folder
 from mmssl.evaluation.encoders import add_ema_argument
 from mmssl.export import FORMATS, export_checkpoint
 from mmssl.tools._common import run
@@ -62,11 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def export() -> None:
-        if is_dcp_folder(args.ckpt) and not os.path.isfile(os.path.join(args.ckpt, LIGHTNING_META)):
-            # The model's class and init arguments are in meta.pt: without it a default model was built
-            # and the weights refused in a long size-mismatch traceback.
-            raise FileNotFoundError(f"--ckpt {args.ckpt!r} has no {LIGHTNING_META}: not a complete training "
-                                    "checkpoint folder (a copy without it?); nothing written")
         state = export_checkpoint(args.ckpt, args.format, args.output, overwrite=args.overwrite, ema=args.ema)
         print(f"wrote {len(state)} tensors ({args.format}) to {args.output}")
 

@@ -22,7 +22,6 @@ from typing import Any, Callable
 import torch
 
 from mmssl.checkpoints.layouts import strip_ddp
-from mmssl.errors import CheckpointError
 
 # Types besides torch's own weights_only set that a checkpoint may pickle and mmssl accepts.
 # Measured with torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints written by
@@ -133,7 +132,7 @@ def read_dcp_metadata(path: str) -> Any:
         raise UnsafeCheckpointError(f"{file}: refused to load: it pickles {err}, which a DCP metadata file "
                                     "never holds (nothing of it was run)") from None
     except Exception as err:
-        raise CheckpointError(f"{file}: unreadable DCP metadata ({type(err).__name__}: {err})") from None
+        raise ValueError(f"{file}: unreadable DCP metadata ({type(err).__name__}: {err})") from None
     ends: dict[str, int] = {}
     for info in getattr(metadata, "storage_data", {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
@@ -142,8 +141,8 @@ def read_dcp_metadata(path: str) -> Any:
         if not os.path.isfile(shard):
             raise FileNotFoundError(f"{path}: shard {name} named in {DCP_METADATA} is missing")
         if os.path.getsize(shard) < end:
-            raise CheckpointError(f"{shard}: {os.path.getsize(shard)} bytes, but {DCP_METADATA} places entries up to "
-                                  f"byte {end}: a truncated shard, or one from another checkpoint")
+            raise ValueError(f"{shard}: {os.path.getsize(shard)} bytes, but {DCP_METADATA} places entries up to "
+                             f"byte {end}: a truncated shard, or one from another checkpoint")
     return metadata
 
 
@@ -251,8 +250,8 @@ def check_save_id(path: str) -> None:
     shard_of = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
     for key in keys:
         if int(state[SAVE_ID][key.split(".", 1)[1]].item()) != recorded:
-            raise CheckpointError(f"{path}: shard {shard_of.get(key, key)} is not of this checkpoint's save (its "
-                                  f"save id differs from {LIGHTNING_META}'s): a shard copied from another checkpoint")
+            raise ValueError(f"{path}: shard {shard_of.get(key, key)} is not of this checkpoint's save (its save id "
+                             f"differs from {LIGHTNING_META}'s): a shard copied from another checkpoint")
 
 
 def read_dcp_folder(path: str) -> dict[str, Any]:
@@ -262,6 +261,11 @@ def read_dcp_folder(path: str) -> dict[str, Any]:
         ``meta.pt``'s entries (``global_step``, ``hyper_parameters``, ...), ``state_dict`` with
         whole tensors, and ``optimizer_states`` as ``torch.optim.Optimizer.state_dict()`` lays
         them out (parameters numbered in the order of the groups' names), as a DDP run saves.
+
+    Raises:
+        FileNotFoundError: a folder without ``meta.pt`` (every sharded save writes it): weights
+            alone would build a default model (``mmssl export``, ``load_model``, the evaluation
+            loader) or a checkpoint without its step (``mmssl consolidate``). One line naming both.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -269,7 +273,7 @@ def read_dcp_folder(path: str) -> dict[str, Any]:
     metadata = read_dcp_metadata(path)
     check_save_id(path)
     meta_file = os.path.join(path, LIGHTNING_META)
-    checkpoint = read_checkpoint(meta_file) if os.path.isfile(meta_file) else {}
+    checkpoint = read_checkpoint(meta_file) if os.path.isfile(meta_file) else {}  # refused below, once read
     flat: dict[str, Any] = {}
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
@@ -288,8 +292,11 @@ def read_dcp_folder(path: str) -> dict[str, Any]:
     for key, value in flat.items():
         _set_path(nested, tuple(mappings.get(key, (key,))), value)
     if "state_dict" not in nested:  # another program's dcp.save: no weights to read (an empty model would load)
-        raise CheckpointError(f"{path}: a sharded checkpoint folder without a state_dict entry (it holds "
-                              f"{sorted(nested)[:8]}): not a Lightning checkpoint's weights")
+        raise ValueError(f"{path}: a sharded checkpoint folder without a state_dict entry (it holds "
+                         f"{sorted(nested)[:8]}): not a Lightning checkpoint's weights")
+    if not os.path.isfile(meta_file):  # a partial copy: the model's class, init arguments and step are in meta.pt
+        raise FileNotFoundError(f"{path}: a sharded checkpoint folder without {LIGHTNING_META} (the run's model "
+                                "class, hyper-parameters and step): not a complete checkpoint (a copy without it?)")
     scalars = set(checkpoint.get(SCALAR_KEYS) or ())
     checkpoint["state_dict"] = {k: v.reshape(()) if k in scalars and v.numel() == 1 else v
                                 for k, v in nested["state_dict"].items()}
@@ -365,7 +372,7 @@ def read_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
             "its state dict alone, or as .safetensors."
         ) from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: expected a dict (checkpoint or state dict), found {type(state).__name__}")
+        raise ValueError(f"{path}: expected a dict (checkpoint or state dict), found {type(state).__name__}")
     return state
 
 
@@ -396,8 +403,8 @@ def lightning_weights(path: str, checkpoint: dict[str, Any], ema: bool = False) 
     if has_averaged_weights(checkpoint):
         return checkpoint["state_dict"] if ema else checkpoint[RAW_WEIGHTS]
     if ema:
-        raise CheckpointError(f"{path}: --ema asks for averaged weights and this checkpoint holds none (no "
-                              f"'{RAW_WEIGHTS}'): it was not trained with mmssl.callbacks.EMA")
+        raise ValueError(f"{path}: --ema asks for averaged weights and this checkpoint holds none (no "
+                         f"'{RAW_WEIGHTS}'): it was not trained with mmssl.callbacks.EMA")
     return checkpoint["state_dict"]
 
 
@@ -417,8 +424,8 @@ def read_state_dict(path: str, ema: bool = False) -> dict[str, torch.Tensor]:
     if isinstance(state.get("state_dict"), dict):
         return strip_ddp(lightning_weights(path, state, ema))
     if ema:
-        raise CheckpointError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this file is no "
-                              "Lightning checkpoint (no 'state_dict')")
+        raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this file is no "
+                         "Lightning checkpoint (no 'state_dict')")
     if isinstance(state.get("model"), dict):  # an MAE release (main_pretrain.py's save_model)
         state = state["model"]
     return strip_ddp(state)

@@ -210,6 +210,24 @@ def test_a_folder_without_meta_is_refused_in_one_line_naming_it(tool, tmp_path, 
     assert not output.exists()
 
 
+@pytest.mark.parametrize("loader", ["load_encoder", "load_model", "read_checkpoint"])
+def test_the_one_reader_refuses_a_folder_without_meta_for_every_caller(loader, tmp_path):
+    """The refusal lives in the reader (read_dcp_folder): the evaluation loader (mmssl probe,
+    zero-shot, evaluate) and load_model (masked-words) read such a folder's weights alone into a
+    default model before; now every caller gets the one line naming the folder and meta.pt."""
+    from mmssl.checkpoints.read import read_checkpoint
+    from mmssl.evaluation.encoders import load_encoder, load_model
+
+    folder = tmp_path / "last.ckpt"
+    _folder_save(folder, 1)
+    (folder / "meta.pt").unlink()
+    read = {"load_encoder": load_encoder, "load_model": load_model, "read_checkpoint": read_checkpoint}[loader]
+    with pytest.raises(FileNotFoundError) as err:
+        read(str(folder))
+    message = str(err.value)
+    assert len(message.splitlines()) == 1 and message.startswith(f"{folder}: ") and "meta.pt" in message, message
+
+
 def test_a_shard_of_another_save_is_refused_naming_the_folder_and_the_shard(tmp_path, monkeypatch, capsys):
     """Two saves of the same size: a shard copied from one into the other once read without a word
     (consolidate mixed two runs' weights, fit --ckpt_path resumed them). Each save records its id in

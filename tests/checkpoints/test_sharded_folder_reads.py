@@ -164,12 +164,15 @@ def test_a_folder_with_an_average_reads_in_weight_averagings_layout(tmp_path):
     _assert_same(read_state_dict(str(folder), ema=True), _as_open_clip(averaged))
 
 
-def test_a_folder_without_lightnings_meta_reads_its_weights_alone(tmp_path):
+def test_a_folder_without_lightnings_meta_is_refused_naming_it(tmp_path):
+    """Every sharded save writes meta.pt (the model's class, hyper-parameters, step): a folder without
+    it is a partial copy, refused by the one reader for every caller (its weights alone built a
+    default model in export, load_model and the evaluation loader)."""
     model = _Tiny()
     folder = _save(tmp_path / "weights", {"state_dict": model.state_dict()}, meta=None)
-    checkpoint = read_dcp_folder(str(folder))
-    assert set(checkpoint) == {"state_dict", "optimizer_states"} and checkpoint["optimizer_states"] == []
-    _assert_same(checkpoint["state_dict"], model.state_dict())  # no scalar keys named: nothing reshaped
+    with pytest.raises(FileNotFoundError) as err:
+        read_dcp_folder(str(folder))
+    assert str(err.value).startswith(f"{folder}: ") and "meta.pt" in str(err.value)
 
 
 def test_load_dcp_fills_a_nested_state_in_place_with_the_folders_values(tmp_path):
