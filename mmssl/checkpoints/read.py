@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from mmssl.checkpoints.layouts import strip_ddp
+from mmssl.errors import CheckpointError
 
 # Types besides torch's own weights_only set that a checkpoint may pickle and mmssl accepts.
 # Measured with torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints written by
@@ -132,7 +133,7 @@ def read_dcp_metadata(path: str) -> Any:
         raise UnsafeCheckpointError(f"{file}: refused to load: it pickles {err}, which a DCP metadata file "
                                     "never holds (nothing of it was run)") from None
     except Exception as err:
-        raise ValueError(f"{file}: unreadable DCP metadata ({type(err).__name__}: {err})") from None
+        raise CheckpointError(f"{file}: unreadable DCP metadata ({type(err).__name__}: {err})") from None
     ends: dict[str, int] = {}
     for info in getattr(metadata, "storage_data", {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
@@ -141,8 +142,8 @@ def read_dcp_metadata(path: str) -> Any:
         if not os.path.isfile(shard):
             raise FileNotFoundError(f"{path}: shard {name} named in {DCP_METADATA} is missing")
         if os.path.getsize(shard) < end:
-            raise ValueError(f"{shard}: {os.path.getsize(shard)} bytes, but {DCP_METADATA} places entries up to "
-                             f"byte {end}: a truncated shard, or one from another checkpoint")
+            raise CheckpointError(f"{shard}: {os.path.getsize(shard)} bytes, but {DCP_METADATA} places entries up to "
+                                  f"byte {end}: a truncated shard, or one from another checkpoint")
     return metadata
 
 
@@ -250,8 +251,8 @@ def check_save_id(path: str) -> None:
     shard_of = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
     for key in keys:
         if int(state[SAVE_ID][key.split(".", 1)[1]].item()) != recorded:
-            raise ValueError(f"{path}: shard {shard_of.get(key, key)} is not of this checkpoint's save (its save id "
-                             f"differs from {LIGHTNING_META}'s): a shard copied from another checkpoint")
+            raise CheckpointError(f"{path}: shard {shard_of.get(key, key)} is not of this checkpoint's save (its "
+                                  f"save id differs from {LIGHTNING_META}'s): a shard copied from another checkpoint")
 
 
 def read_dcp_folder(path: str) -> dict[str, Any]:
@@ -292,8 +293,8 @@ def read_dcp_folder(path: str) -> dict[str, Any]:
     for key, value in flat.items():
         _set_path(nested, tuple(mappings.get(key, (key,))), value)
     if "state_dict" not in nested:  # another program's dcp.save: no weights to read (an empty model would load)
-        raise ValueError(f"{path}: a sharded checkpoint folder without a state_dict entry (it holds "
-                         f"{sorted(nested)[:8]}): not a Lightning checkpoint's weights")
+        raise CheckpointError(f"{path}: a sharded checkpoint folder without a state_dict entry (it holds "
+                              f"{sorted(nested)[:8]}): not a Lightning checkpoint's weights")
     if not os.path.isfile(meta_file):  # a partial copy: the model's class, init arguments and step are in meta.pt
         raise FileNotFoundError(f"{path}: a sharded checkpoint folder without {LIGHTNING_META} (the run's model "
                                 "class, hyper-parameters and step): not a complete checkpoint (a copy without it?)")
@@ -372,7 +373,7 @@ def read_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
             "its state dict alone, or as .safetensors."
         ) from None
     if not isinstance(state, dict):
-        raise ValueError(f"{path}: expected a dict (checkpoint or state dict), found {type(state).__name__}")
+        raise CheckpointError(f"{path}: expected a dict (checkpoint or state dict), found {type(state).__name__}")
     return state
 
 
@@ -403,8 +404,8 @@ def lightning_weights(path: str, checkpoint: dict[str, Any], ema: bool = False) 
     if has_averaged_weights(checkpoint):
         return checkpoint["state_dict"] if ema else checkpoint[RAW_WEIGHTS]
     if ema:
-        raise ValueError(f"{path}: --ema asks for averaged weights and this checkpoint holds none (no "
-                         f"'{RAW_WEIGHTS}'): it was not trained with mmssl.callbacks.EMA")
+        raise CheckpointError(f"{path}: --ema asks for averaged weights and this checkpoint holds none (no "
+                              f"'{RAW_WEIGHTS}'): it was not trained with mmssl.callbacks.EMA")
     return checkpoint["state_dict"]
 
 
@@ -424,8 +425,8 @@ def read_state_dict(path: str, ema: bool = False) -> dict[str, torch.Tensor]:
     if isinstance(state.get("state_dict"), dict):
         return strip_ddp(lightning_weights(path, state, ema))
     if ema:
-        raise ValueError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this file is no "
-                         "Lightning checkpoint (no 'state_dict')")
+        raise CheckpointError(f"{path}: --ema reads a Lightning checkpoint's averaged weights; this file is no "
+                              "Lightning checkpoint (no 'state_dict')")
     if isinstance(state.get("model"), dict):  # an MAE release (main_pretrain.py's save_model)
         state = state["model"]
     return strip_ddp(state)
