@@ -201,11 +201,11 @@ class EMA(WeightAveraging):
             # factory (both hold locks): the copy is made by _copy and given to it.
             average = AveragedModel(nn.Identity(), device=pl_module.device, use_buffers=True,
                                     multi_avg_fn=self.update_average)
-            set_averaged_module(average, _copy(pl_module).to(pl_module.device))
+            set_averaged_module(average, _copy(pl_module, trainer).to(pl_module.device))
             set_weight_averaging_model(self, average)
             self._prepare(average.module, trainer, pl_module)
         elif stage == "validate" and fsdp2 and self.evaluate == "both":
-            self._copy = _copy(pl_module)  # sharded below; the average is loaded in on_validation_start
+            self._copy = _copy(pl_module, trainer)  # sharded below; the average is loaded in on_validation_start
             self._prepare(self._copy, trainer, pl_module)
 
     def _prepare(self, module: pl.LightningModule, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -267,7 +267,7 @@ class EMA(WeightAveraging):
         strict = pl_module.strict_loading
         if self.evaluate == "both":
             if self._copy is None:
-                self._copy = deepcopy(pl_module)
+                self._copy = _copy(pl_module, trainer)
                 self._attach(self._copy, trainer, pl_module)
             _load(self._copy, folder, checkpoint.get("state_dict"), strict)
         if folder:  # the model holds the folder's raw weights (its state_dict)
@@ -389,11 +389,13 @@ class EMA(WeightAveraging):
                 _local(c).copy_(_local(a))
 
 
-def _copy(module: pl.LightningModule) -> pl.LightningModule:
-    """A deep copy of ``module`` for the average, sharing its device mesh (process groups are not
-    copied) and its callables that are no modules (LightningCLI's optimizer and scheduler
-    factories hold locks; the copy never builds an optimizer)."""
-    shared: dict[int, Any] = {}
+def _copy(module: pl.LightningModule, trainer: pl.Trainer) -> pl.LightningModule:
+    """A deep copy of ``module`` for the average, sharing its trainer (a module attached to one
+    refers to it: a copy of the trainer would copy its loops, their live data-loader iterators and
+    the run's watchdog), its device mesh (process groups are not copied) and its callables that
+    are no modules (LightningCLI's optimizer and scheduler factories hold locks; the copy never
+    builds an optimizer)."""
+    shared: dict[int, Any] = {id(trainer): trainer}
     mesh = module.device_mesh
     if mesh is not None:
         shared[id(mesh)] = mesh

@@ -433,15 +433,20 @@ def test_the_warmup_decay_follows_the_step_before_the_update_with_its_gamma(monk
     assert ema_module.ema_decay(0.99, 4, 1.0, 4.0) == pytest.approx(0.5)
 
 
-def test_the_copy_shares_the_device_mesh_and_the_modules_factories():
+def test_the_copy_shares_the_trainer_the_device_mesh_and_the_modules_factories():
     import functools
     import threading
 
     module = _Tiny()
     module._device_mesh = mesh = types.SimpleNamespace(name="mesh")
     module.layer.factory = factory = functools.partial(print, threading.Lock())  # cannot be deep-copied
-    copy = ema_module._copy(module)
-    assert copy.device_mesh is mesh and copy.layer.factory is factory
+    # Lightning's __getstate__ drops the module's own _trainer, but parts of a run refer to the
+    # trainer too, and its loops hold live data-loader iterators (a generator cannot be deep-copied):
+    # validate's copy under evaluate: both failed on it.
+    trainer = types.SimpleNamespace(iterator=(x for x in range(3)))
+    module.layer.run = types.SimpleNamespace(trainer=trainer)
+    copy = ema_module._copy(module, trainer)
+    assert copy.device_mesh is mesh and copy.layer.factory is factory and copy.layer.run.trainer is trainer
     assert copy.layer.weight is not module.layer.weight and torch.equal(copy.layer.weight, module.layer.weight)
 
 
