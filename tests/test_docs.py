@@ -41,7 +41,7 @@ SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # Top-level keys of `mmssl fit --print_config`: a YAML block whose keys are among these is a config.
 CONFIG_KEYS = {"seed_everything", "trainer", "model", "data", "ckpt_path", "optimizer", "lr_scheduler",
                "summary", "nonfinite_guard", "evaluation_buffer_sync", "rng_state", "log_step_on_resume",
-               "unfinished_epoch"}
+               "unfinished_epoch", "watchdog"}
 FENCE = re.compile(r"^([ \t]*)```[ \t]*([^\n`]*)\n(.*?)^\1```[ \t]*$", re.MULTILINE | re.DOTALL)
 INLINE = re.compile(r"`((?:mmssl (?:%s) --|python tools/)[^`]+)`" % "|".join(SUBCOMMANDS))
 SHELL_BLOCKS = {"", "bash", "sh", "shell", "console"}
