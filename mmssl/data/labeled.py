@@ -26,6 +26,7 @@ from mmssl.data.decode import DEFAULT_MAX_IMAGE_PIXELS, BadSample, open_image, p
 from mmssl.data.folders import LabeledFolder
 from mmssl.data.label_files import is_image_folder, shard_urls
 from mmssl.data.sources import is_local, shard_sizes
+from mmssl.data.state import worker_arguments
 
 log = logging.getLogger("mmssl.data")
 
@@ -199,8 +200,9 @@ def labeled_loader(
             raise ValueError(f"labelled set {data!r} is an image folder: it has no captions for retrieval")
         dataset = LabeledFolder(data, transform, max_image_pixels)
         indices = range(rank, min(len(dataset), limit or len(dataset)), world_size)
-        return DataLoader(_Indexed(dataset, indices), batch_size=batch_size, num_workers=num_workers,
-                          collate_fn=_collate_folder)
+        folder = _Indexed(dataset, indices)
+        return DataLoader(folder, batch_size=batch_size, num_workers=num_workers, collate_fn=_collate_folder,
+                          **worker_arguments(folder, num_workers, rank))
     urls = shard_urls(data)
     missing = [u for u in urls if is_local(u) and not os.path.exists(u)]
     if missing:
@@ -216,4 +218,5 @@ def labeled_loader(
     mine = [i for i in range(rank, len(urls), world_size) if take is None or take[i] > 0]
     dataset = LabeledShards(urls, mine, take, transform, image_key.split(";"), batch_size, max_image_pixels, captions)
     # A rank with no shard gets an empty loader; workers would only warn about it.
-    return DataLoader(dataset, batch_size=None, num_workers=min(num_workers, len(mine)))
+    workers = min(num_workers, len(mine))
+    return DataLoader(dataset, batch_size=None, num_workers=workers, **worker_arguments(dataset, workers, rank))

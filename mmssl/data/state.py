@@ -122,6 +122,24 @@ def _start_worker(user_init: Optional[Callable[[int], None]], rank_pid: int, ran
         user_init(worker_id)
 
 
+def worker_arguments(dataset: Any, num_workers: int, rank: int = 0) -> dict[str, Any]:
+    """DataLoader arguments that start a rank's other loaders' workers as :class:`EpochLoader`
+    starts its own: from the fork server (not forked from a rank whose gloo, TCP-store and queue
+    threads may hold a lock), each dying with this process. Empty without workers, and outside a
+    process group (an offline tool's one process: the server's start-up would cost more than the
+    fork it replaces, and no gloo thread runs there).
+
+    Args:
+        dataset: what the workers receive (its modules are the server's imports).
+        num_workers: the loader's workers.
+        rank: this process's rank, for the workers' stack files.
+    """
+    if num_workers <= 0 or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return {}
+    return {"multiprocessing_context": worker_context(modules_of(dataset)),
+            "worker_init_fn": functools.partial(_start_worker, None, os.getpid(), rank, None)}
+
+
 def run_seed(trainer: Any = None) -> int:
     """The run's seed: ``seed_everything``'s (Lightning keeps it in ``PL_GLOBAL_SEED``; 0 without
     one), rank 0's on every rank. Processes started apart (torchrun, SLURM) each draw their own for

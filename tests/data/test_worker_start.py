@@ -65,3 +65,34 @@ def test_the_start_method_can_be_chosen_and_is_checked(monkeypatch):
     monkeypatch.setenv("MMSSL_WORKER_START", "vfork")
     with pytest.raises(ValueError, match="MMSSL_WORKER_START='vfork': expected one of"):
         worker_context()
+
+
+def _image_folder(root) -> str:
+    from PIL import Image
+
+    for c, colour in enumerate(("red", "blue")):
+        (root / colour).mkdir(parents=True)
+        for i in range(2):
+            Image.new("RGB", (8, 8), (200 * (c == 0), 40 * i, 200 * (c == 1))).save(root / colour / f"{i}.png")
+    return str(root)
+
+
+def test_a_ranks_labelled_loaders_start_their_workers_as_its_training_loader(tmp_path, monkeypatch):
+    """The probe and zero-shot callbacks' loaders (mmssl.data.labeled) run inside a rank, beside its
+    gloo threads: their workers come from the fork server too, and give the batches a forked worker
+    gives. An offline tool's single process (no process group) forks, as before."""
+    from torchvision.transforms.functional import pil_to_tensor
+
+    from mmssl.data.labeled import labeled_loader
+    from tests.helpers import one_process_group
+
+    monkeypatch.delenv("MMSSL_WORKER_START", raising=False)
+    data = _image_folder(tmp_path / "set")
+    plain = labeled_loader(data, pil_to_tensor, batch_size=2, num_workers=1)
+    assert plain.multiprocessing_context is None
+    want = [b["label"].tolist() for b in plain]
+    with one_process_group():
+        loader = labeled_loader(data, pil_to_tensor, batch_size=2, num_workers=1)
+        assert loader.multiprocessing_context.get_start_method() == "forkserver"
+        got = [b["label"].tolist() for b in loader]
+    assert got == want and sorted(sum(want, [])) == [0, 0, 1, 1]
