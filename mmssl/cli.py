@@ -44,7 +44,6 @@ from mmssl.checkpoints.resume import (
 )
 from mmssl.checkpoints.sharded import SafeCheckpointIO, is_sharded_checkpoint
 from mmssl.commands import dispatch
-from mmssl.errors import one_line_errors
 from mmssl.renames import model_renames, renamed_args, upgrade_command_line
 from mmssl.signals import install_sigterm_watchdog
 
@@ -392,8 +391,7 @@ def main(args: Optional[list[str]] = None) -> None:
     """
     args = dispatch(args)
     try:
-        with one_line_errors():  # a config value, data or checkpoint at fault: one line naming it (mmssl.errors)
-            cli_main(args, sigterm_watchdog=True)
+        cli_main(args, sigterm_watchdog=True)
     except OSError as err:
         if err.errno not in OUT_OF_ROOM:
             raise

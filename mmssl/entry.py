@@ -13,6 +13,7 @@ import sys
 from typing import Optional
 
 from mmssl.commands import RUNS, dispatch
+from mmssl.errors import one_line_errors
 
 
 def main(args: Optional[list[str]] = None) -> None:
@@ -21,6 +22,9 @@ def main(args: Optional[list[str]] = None) -> None:
     if argv and (argv[0] in RUNS or (argv[0].startswith("-") and argv[0] not in ("-h", "--help"))):
         from mmssl.cli import main as run
 
-        run(args)
+        # A config value, data or a checkpoint at fault ends the command in one line naming it
+        # (mmssl.errors); mmssl.cli.main called from Python raises it, as any function does.
+        with one_line_errors():
+            run(args)
         return
     dispatch(args)  # exits: the overview, configs, a tool's status, or an unknown subcommand's error

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from mmssl.cli import main
+from mmssl.entry import main
 from mmssl.errors import ConfigError, DataError, one_line, one_line_errors
 from tests.conftest import REPO
 
