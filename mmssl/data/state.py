@@ -48,9 +48,15 @@ from mmssl.watchdog import watched
 # every epoch (each worker imports torch): too slow for workers started per epoch.
 # The demo (configs/demo/clip.yaml's data: batch 128 of 64 px, 2 workers, load 5.7): fork 2.1-2.6 s,
 # forkserver 36 s for the first loader with no overlap, then 2.5-3.3 s.
-# ``$MMSSL_WORKER_START`` (fork, forkserver, spawn) overrides it.
+# Not the default yet, for two measured reasons: each rank's server imports Lightning and open_clip
+# (12.6 s of CPU), which made a 2-process test 1.8x slower (tests/callbacks/test_guards_ddp.py:
+# 38.5 s fork, 70.9 s forkserver, same load) and the suite far past its time; and an image folder's
+# virtual shards read as empty in its workers on a mid-epoch resume
+# (tests/data/test_folders.py::test_resume_mid_epoch_from_a_folder_continues_with_the_remainder
+# fails under forkserver, passes under fork). ``$MMSSL_WORKER_START=forkserver`` opts in; fork stays
+# torch's default.
 WORKER_START_ENV = "MMSSL_WORKER_START"
-DEFAULT_WORKER_START = "forkserver"
+DEFAULT_WORKER_START = "fork"
 _PRELOAD = ["mmssl.data.datamodule"]
 
 
@@ -124,8 +130,8 @@ def _start_worker(user_init: Optional[Callable[[int], None]], rank_pid: int, ran
 
 def worker_arguments(dataset: Any, num_workers: int, rank: int = 0) -> dict[str, Any]:
     """DataLoader arguments that start a rank's other loaders' workers as :class:`EpochLoader`
-    starts its own: from the fork server (not forked from a rank whose gloo, TCP-store and queue
-    threads may hold a lock), each dying with this process. Empty without workers, and outside a
+    starts its own (``$MMSSL_WORKER_START``: the fork server, where chosen, forks none from a rank
+    whose gloo, TCP-store and queue threads may hold a lock), each dying with this process. Empty without workers, and outside a
     process group (an offline tool's one process: the server's start-up would cost more than the
     fork it replaces, and no gloo thread runs there).
 
@@ -314,8 +320,7 @@ class EpochLoader(DataLoader):
 
     Workers are not persistent: they are started per epoch and receive the stream with its epoch
     set, which makes the epoch explicit (no counter hidden in worker copies, which only advanced
-    while workers persisted). Workers start from a fork server (``DEFAULT_WORKER_START``): about
-    0.1 s per epoch once the server runs, as a fork from the rank, without inheriting its threads' locks.
+    while workers persisted). Workers start as ``DEFAULT_WORKER_START`` says (``$MMSSL_WORKER_START``).
 
     Args:
         dataset: the stream.

@@ -39,7 +39,7 @@ def test_a_worker_does_not_inherit_a_lock_a_thread_of_its_rank_holds(monkeypatch
     """A thread of the rank holds a lock while the loader starts its worker. A forked worker (torch's
     default, mmssl's before) holds a copy of the lock that no thread of it will release: it waits
     forever (3 s here) at its first use; a worker of the fork server finds it free."""
-    monkeypatch.delenv("MMSSL_WORKER_START", raising=False)
+    monkeypatch.setenv("MMSSL_WORKER_START", "forkserver")
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -86,7 +86,7 @@ def test_a_ranks_labelled_loaders_start_their_workers_as_its_training_loader(tmp
     from mmssl.data.labeled import labeled_loader
     from tests.helpers import one_process_group
 
-    monkeypatch.delenv("MMSSL_WORKER_START", raising=False)
+    monkeypatch.setenv("MMSSL_WORKER_START", "forkserver")
     data = _image_folder(tmp_path / "set")
     plain = labeled_loader(data, pil_to_tensor, batch_size=2, num_workers=1)
     assert plain.multiprocessing_context is None
