@@ -131,9 +131,9 @@ def _start_worker(user_init: Optional[Callable[[int], None]], rank_pid: int, ran
 def worker_arguments(dataset: Any, num_workers: int, rank: int = 0) -> dict[str, Any]:
     """DataLoader arguments that start a rank's other loaders' workers as :class:`EpochLoader`
     starts its own (``$MMSSL_WORKER_START``: the fork server, where chosen, forks none from a rank
-    whose gloo, TCP-store and queue threads may hold a lock), each dying with this process. Empty without workers, and outside a
-    process group (an offline tool's one process: the server's start-up would cost more than the
-    fork it replaces, and no gloo thread runs there).
+    whose gloo, TCP-store and queue threads may hold a lock), each dying with this process. Empty
+    without workers, and outside a process group (an offline tool's one process: the server's
+    start-up would cost more than the fork it replaces, and no gloo thread runs there).
 
     Args:
         dataset: what the workers receive (its modules are the server's imports).
