@@ -129,11 +129,15 @@ class RankWatchdog:
         A rank failing after another (often because of it: its peer is gone) prints one line and
         ends once the first has ended; the first failure's error is the one printed in full.
         """
+        said = f"{type(error).__name__}: {error}".splitlines()[0][:300]
         first = self._claim("failed", {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                                       "error": f"{type(error).__name__}: {error}".splitlines()[0][:300]})
+                                       "error": said})
         if first:
             self._failed_here = True
         elif self.world > 1:
+            # This rank's own error, in one line: often the first's again (every rank reads the same
+            # config and data), sometimes another that matters (a peer's gone).
+            print(f"mmssl: rank {self.rank} failed too: {said}", file=sys.stderr, flush=True)
             self._end_after_failure()
 
     # The thread --------------------------------------------------------------------------------------
@@ -231,7 +235,12 @@ class RankWatchdog:
         os._exit(1)
 
     def _end_after_failure(self, failure: Optional[dict] = None) -> None:
-        failure = failure or self._read_json("failed") or {}
+        deadline = time.time() + 5
+        while failure is None and time.time() < deadline:  # claimed, its content not written yet
+            failure = self._read_json("failed")
+            if failure is None:
+                time.sleep(0.05)
+        failure = failure or {}
         print(f"mmssl: rank {self.rank} ends: rank {failure.get('rank')} failed ({failure.get('error')}; its own "
               "output has the traceback)", file=sys.stderr, flush=True)
         # The failing rank prints its error as it ends; under Lightning's launcher it is rank 0, the

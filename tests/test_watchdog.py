@@ -145,3 +145,35 @@ def test_the_process_group_timeout_is_read_from_lightnings_strategy():
 
     assert pg_timeout_s(DDPStrategy(timeout=timedelta(minutes=5))) == 300.0
     assert pg_timeout_s(SingleDeviceStrategy("cpu")) is None
+
+
+SECOND_FAILURE = """
+import os, sys, threading, time
+sys.path[:0] = [{repo!r}]
+from mmssl.watchdog import RankWatchdog
+
+first, second = (RankWatchdog({folder!r}, rank, 2, timeout_s=1000) for rank in range(2))
+os.makedirs(first.folder)
+# Rank 0 has claimed the failure and not written it yet (the window between the two) ...
+open(first._path("failed") + ".claim", "w").close()
+def write_later():
+    time.sleep(0.5)
+    first._write_json("failed", {{"rank": 0, "pid": 1, "host": "another-host", "error": "ValueError: first"}})
+threading.Thread(target=write_later).start()
+# ... when rank 1 fails too, with its own error.
+second.failed(ValueError("data.train_data='x': the second rank's own words"))
+print("not reached", flush=True)
+"""
+
+
+def test_a_rank_failing_second_prints_its_own_error_and_the_first_ranks(tmp_path):
+    """Both ranks often fail alike (one config, one data): the second prints its own error in one
+    line and names the first rank's, even when it reads the marker before the first wrote it."""
+    script = tmp_path / "second.py"
+    script.write_text(SECOND_FAILURE.format(repo=str(REPO), folder=str(tmp_path / "run")))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "not reached" not in proc.stdout
+    assert ("mmssl: rank 1 failed too: ValueError: data.train_data='x': the second rank's own words"
+            in proc.stderr), proc.stderr
+    assert "mmssl: rank 1 ends: rank 0 failed (ValueError: first; its own output has the traceback)" in proc.stderr
