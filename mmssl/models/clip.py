@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 import open_clip
 import torch
 from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.data.decode import trim_text_padding
-from mmssl.distributed import gather_with_grad, is_sharded, rank, seed_per_rank
+from mmssl.distributed import is_sharded, seed_per_rank
+from mmssl.errors import ConfigError
 from mmssl.log_cadence import logging_step
-from mmssl.losses import clip_loss, siglip_loss
 from mmssl.models.distill import DISTILL_RENAMES, Distillation, build_distiller
 from mmssl.models.flip import FLIP_RENAMES, Flip, install_flip_masking
 from mmssl.models.gradcache import cached_features
@@ -43,20 +44,22 @@ from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.m
 from mmssl.models.parts import RetrievalValidation, as_group, plain_groups
 from mmssl.models.scalars import install_scalar_hooks, record_scalar_keys, scalars_as_vectors
 from mmssl.models.teacher import tokenizer_signature
+from mmssl.objectives import LOSS_INIT, Objective, build_objectives, check_parts, contrastive_loss
 from mmssl.optim import check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 from mmssl.sharding import shard_model
 from mmssl.upstream import attached_trainer, open_clip_encode_text_prefix
 
-# Initial (logit_scale, logit_bias): CLIP sec. 2.5 (temperature 0.07, no bias); SigLIP sec. 3.2
-# (t' = log 10, b = -10, so training starts near the prior of mostly negative pairs).
-LOSS_INIT: dict[str, tuple[float, Optional[float]]] = {
-    "clip": (math.log(1 / 0.07), None),
-    "siglip": (math.log(10.0), -10.0),
-}
+__all__ = ["CLIP", "LOSS_INIT"]
 
 
 class CLIP(LoraCheckpoint, pl.LightningModule):
-    """Contrastive image-text pretraining: CLIP, SigLIP, FLIP and LiT from one module.
+    """Image-text pretraining over open_clip towers: CLIP, SigLIP, FLIP, LiT and CoCa from one module.
+
+    What it trains is its ``objectives`` (:mod:`mmssl.objectives`), composed by name: the
+    contrastive loss (``loss``: CLIP's or SigLIP's) and, for a model with a caption decoder (an
+    open_clip CoCa config), captioning; each with a weight and a start. SigLIP with a captioning
+    decoder is ``loss: siglip`` with ``objectives: {caption: {}}`` on a CoCa config, as
+    :class:`~mmssl.models.coca.CoCa` is this module with captioning on by default.
 
     The features it shares with other models are parts, each a config group taken whole:
     ``flip`` (FLIP's masking and unmasked tuning, :class:`~mmssl.models.flip.Flip`), ``lock``
@@ -114,6 +117,11 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
             :class:`~mmssl.models.distill.Distillation`).
         lora: LoRA adapters ``{r, alpha, dropout, target_modules, towers, trainable}`` on the
             towers of the ``pretrained`` model (``mmssl.models.lora``); ``None``: none.
+        objectives: what is trained, by name, each ``{weight, start}`` (``start``: a step, or a
+            fraction of the run below 1, before which the term weighs 0): ``contrastive`` (always
+            there; weight 1 by default), ``caption`` (weight 2, CoCa's; needs a model with a
+            caption decoder). ``None``: the contrastive loss alone. With several, each weighted
+            term is logged as ``train/<name>_loss`` and ``val/<name>_loss``.
     """
 
     # Keys of configs and checkpoints written before the parts became config groups (mmssl.renames).
@@ -143,6 +151,7 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         lock: LockOptions = LockOptions(),
         distill: Distillation = Distillation(),
         lora: Optional[dict[str, Any]] = None,
+        objectives: Optional[dict[str, Optional[dict[str, Any]]]] = None,
     ) -> None:
         super().__init__()
         flip = as_group(Flip, flip, "model.init_args.flip")
@@ -152,6 +161,10 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         self.save_hyperparameters(plain_groups(self.hparams))  # groups as dicts: a checkpoint holds data only
         if loss not in LOSS_INIT:
             raise ValueError(f"model.loss: {loss!r} is not one of {sorted(LOSS_INIT)}")
+        if (objectives or {}).get("contrastive") and "loss" in objectives["contrastive"]:
+            raise ConfigError("model.init_args.objectives.contrastive.loss: set model.init_args.loss instead "
+                              "(it also decides the model's logit scale and bias)")
+        built = build_objectives(objectives or {}, {"contrastive": {"loss": loss}})
         if pretrained is not None and not checkpoint_exists(pretrained):
             raise FileNotFoundError(f"model.pretrained: no checkpoint file at {pretrained!r}")
         check_warmup("model.warmup_steps", warmup_steps)
@@ -159,6 +172,13 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
             raise ValueError(f"model.contrastive_chunk_size must be >= 1 (or null), got {contrastive_chunk_size}")
         name = resolve_model_name(model_name)
         self.model = self._towers(name, pretrained, loss, init_logit_scale, init_logit_bias, image_mean, image_std)
+        check_parts(built, self.model, model_name)
+        for objective in built.values():
+            objective.bind(self.model)
+        # Objectives hold no parameter or persistent state: the checkpoint keys stay the model's.
+        self.objectives: Mapping[str, Objective] = nn.ModuleDict(built)
+        # An objective that reads the joint forward (a decoder over the image tokens) runs it.
+        self._joint = any(o.joint and o.weight > 0 for o in built.values())
         if image_tower_init:
             init_image_tower(self.model, image_tower_init)
         lock_towers(self.model, lock)
@@ -207,6 +227,13 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         norm = {k: tuple(v) for k, v in (("mean", image_mean), ("std", image_std)) if v is not None}
         model = create_model(name, pretrained=pretrained, output_dict=True, **init,
                              **({"force_preprocess_cfg": norm} if norm else {}))
+        if pretrained is None and isinstance(model, open_clip.CoCa):
+            # open_clip 3.3's MultimodalTransformer leaves its text_projection as torch.empty memory
+            # (zeros when fresh pages back it, else garbage: caption losses of 1e12 in a test); its
+            # init_parameters, which would set it, is never called and fails if called (it reads a
+            # `transformer` attribute the class lacks). Its intended value: normal, std width ** -0.5.
+            decoder = model.text_decoder
+            torch.nn.init.normal_(decoder.text_projection, std=decoder.width ** -0.5)
         bias = init.get("init_logit_bias")
         if pretrained is not None and bias is not None and not checkpoint_has(pretrained, "logit_bias"):
             # open_clip fills a missing bias with 0 (its issue 712); SigLiT from a CLIP file wants b.
@@ -301,12 +328,18 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         return [torch.cat([cls, patches], dim=1) for cls, patches in
                 zip(out["image_intermediates_prefix"], out["image_intermediates"])]
 
-    def forward(self, images: Tensor, tokens: Tensor) -> dict[str, Tensor]:
+    def forward(self, images: Tensor, tokens: Tensor) -> dict[str, Any]:
         """Returns ``image_features`` (B, D), ``text_features`` (B, D), ``logit_scale`` () and,
-        for SigLIP, ``logit_bias`` (): open_clip's ``output_dict`` (scale already exponentiated).
+        for SigLIP, ``logit_bias`` (): open_clip's ``output_dict`` (scale already exponentiated);
+        with an objective that reads the joint forward, also the decoder's ``logits`` (B, L-1, V)
+        and ``labels`` (B, L-1) (open_clip ``CoCa.forward``).
 
         In training mode with ``contrastive_chunk_size`` the features come chunk by chunk with
-        their activations rebuilt in the backward (GradCache): the same values and gradients."""
+        their activations rebuilt in the backward (GradCache): the same values and gradients; a
+        joint forward's chunks keep, instead of their logits, what each objective keeps of them
+        (``chunks``: name -> one tensor per chunk)."""
+        if self._joint:
+            return self._joint_forward(images, tokens)
         if self.training and self.contrastive_chunk_size is not None:
             image, text = cached_features(self._encode_pair, images, tokens, self.contrastive_chunk_size)
         else:
@@ -320,32 +353,48 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         """(b, 3, H, W), (b, L) -> (b, D) image and (b, D) text features: one GradCache chunk."""
         return self.encode_image(images), self.encode_text(tokens)
 
+    def _joint_forward(self, images: Tensor, tokens: Tensor) -> dict[str, Any]:
+        """open_clip's joint forward (``model(images, tokens)``), GradCache-chunked in training."""
+        chunk = self.contrastive_chunk_size
+        if not (self.training and chunk is not None and images.shape[0] > chunk):
+            return self.model(images, tokens)
+        keeping = [name for name, o in self.objectives.items() if o.joint]
+        parts = [checkpoint(self._joint_chunk, i, t, use_reentrant=False, preserve_rng_state=True)
+                 for i, t in zip(images.split(chunk), tokens.split(chunk))]  # K x ((b, D), (b, D), kept...)
+        out = {"image_features": torch.cat([p[0] for p in parts]), "text_features": torch.cat([p[1] for p in parts]),
+               "logit_scale": self.model.logit_scale.exp(),
+               "chunks": {name: [p[2 + k] for p in parts] for k, name in enumerate(keeping)}}
+        if getattr(self.model, "logit_bias", None) is not None:
+            out["logit_bias"] = self.model.logit_bias
+        return out
+
+    def _joint_chunk(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, ...]:
+        """One GradCache chunk of the joint forward: (b, D) image and text features, then what each
+        joint objective keeps of the chunk's output (:meth:`mmssl.objectives.Objective.chunk`)."""
+        out = self.model(images, tokens)
+        kept = [o.chunk(out) for o in self.objectives.values() if o.joint]
+        return (out["image_features"], out["text_features"], *kept)
+
     # Loss ----------------------------------------------------------------------------------------
 
     def contrastive_loss(self, out: dict[str, Tensor]) -> Tensor:
-        """This rank's share of the global-batch loss from ``forward``'s output.
+        """This rank's share of the global-batch contrastive loss from ``forward``'s output
+        (:func:`mmssl.objectives.contrastive_loss`, unweighted)."""
+        return contrastive_loss(out, self.loss_name)
 
-        Gathers both modalities from every rank with gradients (a no-op on one process). The
-        mean over ranks of the returned losses is the loss of one process on the concatenated
-        batch, and Lightning DDP averages gradients over ranks, so the update is exactly that of
-        the single-process global batch (tests/test_distributed.py proves it on 2 processes).
+    def losses(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, ...]:
+        """Each objective's weighted term of one training batch, in order (``contrastive`` first):
+        their sum is the step's loss without distillation. Outside a trainer every term counts."""
+        return tuple(self.objective_terms(self(images, tokens), {"image": images, "text": tokens}).values())
 
-        Args:
-            out: ``image_features`` (B, D), ``text_features`` (B, D), ``logit_scale`` and,
-                for SigLIP, ``logit_bias``.
-
-        Returns:
-            Scalar loss.
-        """
-        image, text = out["image_features"], out["text_features"]
-        # Training batches are full and equal on every rank (the data module's exact epochs and
-        # resampled streams both cut whole batches), so the gathers skip the size exchange.
-        offset = rank() * image.shape[0]
-        all_text = gather_with_grad(text, same_size=True)  # (N, D)
-        if self.loss_name == "siglip":
-            return siglip_loss(image, text, out["logit_scale"], out["logit_bias"], all_text, offset)
-        all_image = gather_with_grad(image, same_size=True)  # (N, D)
-        return clip_loss(image, text, out["logit_scale"], all_image, all_text, offset)
+    def objective_terms(self, out: dict[str, Any], batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Each objective's weighted term of this training step, in the order they are summed."""
+        trainer = attached_trainer(self)
+        step = trainer.global_step if trainer is not None else 0
+        total = int(trainer.estimated_stepping_batches) if trainer is not None and any(
+            isinstance(o.start, float) for o in self.objectives.values()) else 0
+        return {name: objective(out, batch, objective.weight_at(step, total))
+                for name, objective in self.objectives.items()}
 
     # Training ----------------------------------------------------------------------------------
 
@@ -373,10 +422,17 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         out = self(batch["image"], batch["text"])
-        loss, terms = self.contrastive_loss(out), {}
-        if self.distiller is not None:
+        terms = self.objective_terms(out, batch)
+        names = list(terms)
+        loss = terms[names[0]]
+        if self.distiller is not None:  # its own terms beside the contrastive one, with their weights
             targets = self.distiller.targets(batch, self.image_mean, self.image_std, self.contrastive_chunk_size)
-            loss, terms = self.distiller(out, loss, *targets)
+            loss, distilled = self.distiller(out, terms["contrastive"], *targets)
+            terms = {**terms, **distilled}
+        for name in names[1:]:
+            loss = loss + terms[name]
+        if len(terms) == 1:
+            terms = {}  # train/loss is the one term
         self.log("train/loss", loss, prog_bar=True)
         if logging_step(attached_trainer(self)):
             for name, value in terms.items():
@@ -414,14 +470,23 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         out = self(batch["image"], batch["text"])  # eval mode: unmasked
-        # The loss of each batch against its own negatives (the last batch may be partial),
-        # weighted by its size: equal to one process's figure when the batches are the same.
-        image, text, scale = out["image_features"], out["text_features"], out["logit_scale"]
-        if self.loss_name == "siglip":
-            loss = siglip_loss(image, text, scale, out["logit_bias"])
-        else:
-            loss = clip_loss(image, text, scale)
-        self.validation.update(image, text, loss)
+        # Each objective's term of the batch (the contrastive one against the batch's own
+        # negatives), weighted as in training into val/loss; each term kept by its objective.
+        loss = None
+        for objective in self._validated():
+            term = objective.weight * objective.validation(out, batch)
+            loss = term if loss is None else loss + term
+        self.validation.update(out["image_features"], out["text_features"], loss)
+
+    def _validated(self) -> list[Objective]:
+        """The objectives whose parts the model has (a 0-weighted one too: its figure is still logged)."""
+        return [o for o in self.objectives.values() if all(getattr(self.model, p, None) is not None for p in o.parts)]
 
     def on_validation_epoch_end(self) -> None:
         self.validation.log_to(self)  # val/loss, val/i2t_R@k, val/t2i_R@k over every rank's features
+        for objective in self._validated():
+            if len(self.objectives) > 1:
+                objective.log_validation(self)  # val/<name>_loss, ...
+            else:
+                for metric in objective.children():
+                    metric.reset()  # val/loss is the one term

@@ -156,6 +156,9 @@ def check_clip_mlm_args(clip_args: dict[str, Any]) -> None:
         "lora": clip_args.get("lora") is not None,
         "trim_text_padding": bool(clip_args.get("trim_text_padding")),  # a bidirectional tower reads the padding
     }
+    if clip_args.get("objectives") is not None:
+        raise ValueError("model.init_args.objectives: CLIPMLM trains its own list (contrastive, MLM, ITM: "
+                         "mlm_weight, itm_weight), which is not composed with other objectives yet; leave it unset")
     named = [k for k, bad in refused.items() if bad]
     if named:
         raise ValueError(f"model.init_args.{named[0]}: CLIPMLM does not take it (its text tower runs on whole "

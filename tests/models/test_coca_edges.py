@@ -1,5 +1,7 @@
-"""CoCa (mmssl.models.coca) edges the end-to-end tests leave open, in process: every CLIP option CoCa
-refuses and the weights' bounds, by their messages; a Hugging Face text tower not on the machine;
+"""CoCa (mmssl.models.coca) edges the end-to-end tests leave open, in process: the CLIP options it takes
+now that it is CLIP with captioning (SigLIP's loss, the objectives' starts), the refusals left (a
+tower whose padding matters, a decoder-less model asked to caption) and the weights' bounds, by their
+messages; a Hugging Face text tower not on the machine;
 the caption loss's rescale over ranks (two ranks simulated in one process); GradCache chunks with
 weights other than 1; what a training and a validation step log; the special ids of both tokenizer
 kinds; what ``generate`` passes on and the ``seq_len`` it takes."""
@@ -14,15 +16,17 @@ import pytest
 import torch
 
 import mmssl.models.coca as coca_module
-from mmssl.models.coca import CoCa, check_clip_args, check_text_tower_local
+import mmssl.objectives.caption as caption_module
+import mmssl.objectives.contrastive as contrastive_module
+from mmssl.errors import ConfigError
+from mmssl.models.clip import CLIP
+from mmssl.models.coca import CoCa, check_text_tower_local
 from mmssl.models.open_clip_config import resolve_model_name
 from tests.conftest import TINY_COCA
 
 CAPTIONS = ["red", "a star", "blue", "a cross",
             "a large red circle in the top left on white", "a small blue square in the center on black",
             "a drawing of a star in the bottom right", "a picture of a green cross, small, on gray"]
-REFUSAL = ("CoCa does not take it (of CLIP's options, CoCa trains the softmax contrastive loss without "
-           "distillation or LoRA and runs its text tower on the whole context); leave it unset")
 
 
 def _model(json_path: str, **kwargs) -> CoCa:
@@ -35,28 +39,40 @@ def _batch(model: CoCa) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(len(CAPTIONS), 3, 32, 32, generator=g), model.tokenizer(CAPTIONS)
 
 
-@pytest.mark.parametrize("key, value", [
-    ("loss", "siglip"), ("init_logit_bias", -10.0), ("trim_text_padding", True),
-    ("distill", {"teacher": "t.ckpt"}), ("distill", {"embeddings": "folder"}), ("distill", {"embed_dim": 8}),
-    ("lora", {"r": 4}),
-])
-def test_each_clip_option_coca_cannot_honour_is_refused_by_name(key, value):
-    with pytest.raises(ValueError) as err:
-        check_clip_args({key: value})
-    assert str(err.value) == f"model.init_args.{key}: {REFUSAL}"
+def test_siglip_with_captioning_is_a_coca_with_siglips_loss(tiny_coca_json):
+    """SigLIP 2's pairing (Tschannen et al. 2025, sec. 2.1: the sigmoid loss and a captioning
+    decoder): the sigmoid loss with the model's bias, plus the caption term, summed."""
+    model = _model(tiny_coca_json, loss="siglip")
+    images, tokens = _batch(model)
+    assert model.model.logit_bias.item() == -10.0  # SigLIP's initial bias, in open_clip's CoCa
+    contrastive, caption = model.losses(images, tokens)
+    torch.manual_seed(0)
+    out = model(images, tokens)
+    want = torch.nn.functional.logsigmoid(
+        (2 * torch.eye(8) - 1) * (out["logit_scale"] * out["image_features"] @ out["text_features"].T
+                                  + out["logit_bias"])).sum() / -8
+    torch.testing.assert_close(contrastive, want)
+    assert caption.item() > 0 and contrastive.requires_grad and caption.requires_grad
+    same = CLIP(tiny_coca_json, loss="siglip", objectives={"caption": {}}, warmup_steps=0)  # the same from CLIP
+    assert list(same.objectives) == ["contrastive", "caption"] and same.objectives["caption"].weight == 2.0
 
 
-def test_clip_options_at_their_defaults_are_taken():
-    check_clip_args({})
-    check_clip_args({"loss": "clip", "init_logit_bias": None, "trim_text_padding": False, "lora": None,
-                     "distill": {"teacher": None, "embeddings": None, "embed_dim": None}})
-    with pytest.raises(ValueError, match=r"^model.init_args.loss: "):  # the first refused key is named
-        check_clip_args({"lora": {"r": 4}, "loss": "siglip"})
-
-
-def test_a_bad_distill_group_is_named_by_its_key():
-    with pytest.raises(ValueError, match=r"^model.init_args.distill: unknown options \['bogus'\]"):
-        check_clip_args({"distill": {"bogus": 1}})
+def test_an_option_that_cannot_hold_is_refused_by_its_key(tiny_coca_json):
+    with pytest.raises(ValueError, match=r"^model.trim_text_padding: the text tower of .* is not causal"):
+        CoCa(tiny_coca_json, trim_text_padding=True)  # the class token sits after the caption
+    with pytest.raises(ConfigError) as err:
+        CLIP("configs/models/clip_micro.json", objectives={"caption": {"weight": 1.0}})
+    assert str(err.value) == ("model.init_args.objectives.caption: needs the model part(s) ['text_decoder'], "
+                              "which 'configs/models/clip_micro.json' (CLIP) does not have")
+    CLIP("configs/models/clip_micro.json", objectives={"caption": {"weight": 0.0}})  # off: nothing needed
+    with pytest.raises(ConfigError, match=r"^model.init_args.objectives.captions: no such objective; known: "):
+        CoCa(tiny_coca_json, objectives={"captions": {}})
+    with pytest.raises(ConfigError, match=r"^model.init_args.objectives.caption.start: a step .* got 1.5$"):
+        CoCa(tiny_coca_json, objectives={"caption": {"start": 1.5}})
+    with pytest.raises(ConfigError, match=r"^model.init_args.objectives.caption: .*unexpected keyword .*'wieght'"):
+        CoCa(tiny_coca_json, objectives={"caption": {"wieght": 1.0}})
+    with pytest.raises(ConfigError, match=r"^model.init_args.objectives.contrastive.loss: set model.init_args.loss"):
+        CoCa(tiny_coca_json, objectives={"contrastive": {"loss": "siglip"}})
 
 
 def test_the_tokenizer_folder_is_built_first_and_a_pretrained_decoder_is_kept(tiny_coca_json, tmp_path,
@@ -85,7 +101,7 @@ def test_the_caption_loss_ignores_the_configs_own_padding_id(tmp_path):
     config["pad_id"] = 3
     (tmp_path / "coca_pad3.json").write_text(json.dumps(config))
     model = CoCa(str(tmp_path / "coca_pad3.json"))
-    assert model.pad_id == 3 and model.loss.caption_loss.ignore_index == 3
+    assert model.pad_id == 3 and model.objectives["caption"].pad_id == 3
 
 
 def test_negative_loss_weights_are_refused_with_both_values(tiny_coca_json):
@@ -95,7 +111,7 @@ def test_negative_loss_weights_are_refused_with_both_values(tiny_coca_json):
         assert str(err.value) == ("model.caption_loss_weight and clip_loss_weight must be >= 0, "
                                   f"got {weights[0]}, {weights[1]}")
     model = CoCa(tiny_coca_json, caption_loss_weight=0.0, clip_loss_weight=0.0)  # 0 is a weight
-    assert (model.loss.caption_loss_weight, model.loss.clip_loss_weight) == (0.0, 0.0)
+    assert (model.objectives["caption"].weight, model.objectives["contrastive"].weight) == (0.0, 0.0)
     with pytest.raises(ValueError) as err:
         CoCa("configs/models/clip_micro.json")
     assert str(err.value) == ("model.model_name: 'configs/models/clip_micro.json' is no CoCa config (it has no "
@@ -104,9 +120,8 @@ def test_negative_loss_weights_are_refused_with_both_values(tiny_coca_json):
 
 def test_a_model_carries_its_pad_id_and_runs_its_text_tower_on_the_whole_context(tiny_coca_json):
     model = CoCa(tiny_coca_json)
-    assert model.pad_id == 0 and model.loss.caption_loss.ignore_index == 0 and model.trim_text_padding is False
-    assert model.loss.local_loss and model.loss.gather_with_grad
-    assert (model.loss.caption_loss_weight, model.loss.clip_loss_weight) == (2.0, 1.0)  # the paper's
+    assert model.pad_id == 0 and model.objectives["caption"].pad_id == 0 and model.trim_text_padding is False
+    assert (model.objectives["caption"].weight, model.objectives["contrastive"].weight) == (2.0, 1.0)  # the paper's
 
 
 def test_the_default_model_is_open_clips_coca_vit_b_32(monkeypatch):
@@ -177,7 +192,7 @@ def test_two_simulated_ranks_average_to_the_concatenated_batchs_losses(tiny_coca
         calls = []
 
         def gather(x, same_size=False, r=r, rows=rows, calls=calls):
-            kind = ("image", "text")[len(calls)]
+            kind = ("text", "image")[len(calls)]
             calls.append(kind)
             torch.testing.assert_close(x, features[kind][rows])
             return torch.cat([x if q == r else features[kind][4 * q:4 * q + 4] for q in (0, 1)])
@@ -185,14 +200,14 @@ def test_two_simulated_ranks_average_to_the_concatenated_batchs_losses(tiny_coca
         def all_reduce(total, r=r):
             total.copy_(counts[0] + counts[1])
 
-        monkeypatch.setattr(coca_module, "gather_with_grad", gather)
-        monkeypatch.setattr(coca_module, "is_distributed", lambda: True)
-        monkeypatch.setattr(coca_module, "rank", lambda r=r: r)
-        monkeypatch.setattr(coca_module, "world_size", lambda: 2)
-        monkeypatch.setattr(coca_module.dist, "all_reduce", all_reduce)
+        monkeypatch.setattr(contrastive_module, "gather_with_grad", gather)
+        monkeypatch.setattr(caption_module, "is_distributed", lambda: True)
+        monkeypatch.setattr(contrastive_module, "rank", lambda r=r: r)
+        monkeypatch.setattr(caption_module, "world_size", lambda: 2)
+        monkeypatch.setattr(caption_module.dist, "all_reduce", all_reduce)
         with torch.no_grad():
             per_rank.append(torch.stack(model.losses(images[rows], tokens[rows])))
-        assert calls == ["image", "text"] and (model.loss.rank, model.loss.world_size) == (r, 2)
+        assert calls == ["text", "image"]
     torch.testing.assert_close(sum(per_rank) / 2, torch.stack(whole), rtol=1e-5, atol=1e-6)
 
 
@@ -206,15 +221,15 @@ def test_gradcache_chunks_apply_both_weights(tiny_coca_json, clip_weight):
     assert results[1] == pytest.approx(results[0], rel=1e-5)
     assert (results[1][0] == 0.0) == (clip_weight == 0.0)
     chunks = []
-    chunk_of = model._chunk
-    model._chunk = lambda images, tokens: chunks.append(len(images)) or chunk_of(images, tokens)
+    chunk_of = model._joint_chunk
+    model._joint_chunk = lambda images, tokens: chunks.append(len(images)) or chunk_of(images, tokens)
     model.losses(*_batch(model))
     assert chunks == [3, 3, 2]  # the batch embedded and decoded 3 samples at a time
     chunks.clear()
     model.eval()
     model.losses(*_batch(model))  # validation: one forward
     model = _model(tiny_coca_json, contrastive_chunk_size=8)  # a chunk as large as the batch: one forward
-    model._chunk = lambda *a: chunks.append(a)
+    model._joint_chunk = lambda *a: chunks.append(a)
     model.losses(*_batch(model))
     assert chunks == []
 
@@ -255,9 +270,10 @@ def test_a_validation_epoch_logs_the_captioning_figures(tiny_coca_json):
     model.on_validation_epoch_end()
     assert shown == [model]
     assert list(logged.values) == ["val/contrastive_loss", "val/caption_loss", "val/caption_token_top1"]
-    assert logged.values["val/contrastive_loss"] is model.val_contrastive  # (a Metric's == is a new metric)
-    assert logged.values["val/caption_loss"] is model.val_caption
-    assert logged.values["val/caption_token_top1"] is model.val_token_top1
+    # (identity: a Metric's == makes a new metric)
+    assert logged.values["val/contrastive_loss"] is model.objectives["contrastive"].val_loss
+    assert logged.values["val/caption_loss"] is model.objectives["caption"].val_loss
+    assert logged.values["val/caption_token_top1"] is model.objectives["caption"].val_token_top1
 
 
 def _predicting(model: CoCa, token: int) -> CoCa:
@@ -275,7 +291,7 @@ def test_token_accuracy_counts_caption_tokens_only_and_a_one_token_batch_weighs_
     images, tokens = _batch(model)
     with torch.no_grad():
         model.validation_step({"image": images, "text": tokens}, 0)
-    assert model.val_token_top1.compute().item() == 0.0
+    assert model.objectives["caption"].val_token_top1.compute().item() == 0.0
     # An empty caption: its one label token is end-of-text, predicted right.
     eot = model.generation_ids()["eos_token_id"]
     model = _predicting(_model(tiny_coca_json).eval(), eot)
@@ -284,13 +300,13 @@ def test_token_accuracy_counts_caption_tokens_only_and_a_one_token_batch_weighs_
         model.validation_step({"image": images[:1], "text": tokens}, 0)
         out = model(images[:1], tokens)
     assert int((out["labels"] != model.pad_id).sum()) == 1
-    assert model.val_token_top1.compute().item() == 1.0
+    assert model.objectives["caption"].val_token_top1.compute().item() == 1.0
     model = _model(tiny_coca_json).eval()  # untrained: a caption loss near log(V), not near 0
     with torch.no_grad():
         model.validation_step({"image": images[:1], "text": tokens}, 0)
         out = model(images[:1], tokens)
     want = torch.nn.functional.cross_entropy(out["logits"][0, :1], out["labels"][0, :1]).item()
-    assert want > 1 and model.val_caption.compute().item() == pytest.approx(want, rel=1e-5)
+    assert want > 1 and model.objectives["caption"].val_loss.compute().item() == pytest.approx(want, rel=1e-5)
 
 
 def test_generation_ids_come_from_either_kind_of_tokenizer(tiny_coca_json):

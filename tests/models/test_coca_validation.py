@@ -1,4 +1,4 @@
-"""CoCa's validation figures (mmssl.models.coca.CoCa.validation_step) against a hand computation:
+"""CoCa's validation figures (mmssl.models.clip.CLIP.validation_step with its objectives) against a hand computation:
 ``val/loss`` (what ModelCheckpoint monitors) is ``clip_loss_weight`` x InfoNCE + ``caption_loss_weight``
 x the caption token mean, per batch, averaged over batches by their samples; ``val/caption_loss``
 is the unweighted token mean over all batches; ``val/caption_token_top1`` the next-token accuracy."""
@@ -46,6 +46,6 @@ def test_validation_loss_is_the_weighted_sum_the_training_loss_is(tiny_coca_json
     want = sum(w * float(v) for w, v in zip(weights, losses)) / sum(weights)
     assert model.validation.loss.compute().item() == pytest.approx(want, rel=1e-5)
     want = sum(w * c for w, c in zip(weights, contrastives)) / sum(weights)
-    assert model.val_contrastive.compute().item() == pytest.approx(want, rel=1e-5)
-    assert model.val_caption.compute().item() == pytest.approx(ce_sum / tokens, rel=1e-5)
-    assert model.val_token_top1.compute().item() == pytest.approx(right / tokens, rel=1e-5)
+    assert model.objectives["contrastive"].val_loss.compute().item() == pytest.approx(want, rel=1e-5)
+    assert model.objectives["caption"].val_loss.compute().item() == pytest.approx(ce_sum / tokens, rel=1e-5)
+    assert model.objectives["caption"].val_token_top1.compute().item() == pytest.approx(right / tokens, rel=1e-5)
