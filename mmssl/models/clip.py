@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import lightning.pytorch as pl
@@ -23,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mmssl.checkpoints.read import checkpoint_exists
 from mmssl.data.decode import trim_text_padding
-from mmssl.distributed import is_sharded, seed_per_rank
+from mmssl.distributed import is_sharded, rank, seed_per_rank
 from mmssl.errors import ConfigError
 from mmssl.log_cadence import logging_step
 from mmssl.models.distill import DISTILL_RENAMES, Distillation, build_distiller
@@ -32,6 +33,7 @@ from mmssl.models.gradcache import cached_features
 from mmssl.models.lit import init_image_tower
 from mmssl.models.locking import LOCK_RENAMES, LockOptions, lock_towers
 from mmssl.models.lora import CLIP_TRAINABLE, LoraCheckpoint, clip_towers, enable_lora
+from mmssl.models.masking import sample_noise
 from mmssl.models.memory import apply_memory_options
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
     OPEN_CLIP_NO_DECAY,
@@ -44,7 +46,15 @@ from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.m
 from mmssl.models.parts import RetrievalValidation, as_group, plain_groups
 from mmssl.models.scalars import install_scalar_hooks, record_scalar_keys, scalars_as_vectors
 from mmssl.models.teacher import tokenizer_signature
-from mmssl.objectives import LOSS_INIT, Objective, build_objectives, check_parts, contrastive_loss
+from mmssl.objectives import (
+    LOSS_INIT,
+    Objective,
+    build_objectives,
+    check_parts,
+    contrastive_loss,
+    has_parts,
+    sample_uniforms,
+)
 from mmssl.optim import check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
 from mmssl.sharding import shard_model
 from mmssl.upstream import attached_trainer, open_clip_encode_text_prefix
@@ -170,6 +180,10 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         check_warmup("model.warmup_steps", warmup_steps)
         if contrastive_chunk_size is not None and contrastive_chunk_size < 1:
             raise ValueError(f"model.contrastive_chunk_size must be >= 1 (or null), got {contrastive_chunk_size}")
+        whole = [n for n, o in built.items() if not o.chunked and o.weight > 0]
+        if contrastive_chunk_size is not None and whole:
+            raise ConfigError(f"model.init_args.contrastive_chunk_size: the objective(s) {whole} read the whole "
+                              "batch's outputs at once, which GradCache's chunks do not keep; leave it unset")
         name = resolve_model_name(model_name)
         self.model = self._towers(name, pretrained, loss, init_logit_scale, init_logit_bias, image_mean, image_std)
         check_parts(built, self.model, model_name)
@@ -213,11 +227,19 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         self.teacher_embeddings = distill.embeddings  # linked to the data module by the CLI
         if self.distiller is not None:
             self.hparams["distill"]["embed_dim"] = self.distiller.teacher_dim
+        self._add_parts()
+        # The objectives' host parts (a preset's heads) and what they check of the whole module.
+        check_parts(built, self.model, model_name, host=self)
         self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
         unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
         if unmatched:
             rank_zero_warn(f"model.no_weight_decay: {unmatched} match no parameter of {model_name!r}")
         self.validation = RetrievalValidation(self.embed_dim)
+
+    def _add_parts(self) -> None:
+        """A preset's own parts beside the towers (heads its objectives read), registered after every
+        part of CLIP's (their place in the checkpoint and the optimizer's order) and before the
+        objectives are checked against them. CLIP has none."""
 
     @staticmethod
     def _towers(name: str, pretrained: Optional[str], loss: str, init_logit_scale: Optional[float],
@@ -385,7 +407,8 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
     def losses(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, ...]:
         """Each objective's weighted term of one training batch, in order (``contrastive`` first):
         their sum is the step's loss without distillation. Outside a trainer every term counts."""
-        return tuple(self.objective_terms(self(images, tokens), {"image": images, "text": tokens}).values())
+        out, batch = self.step_forward({"image": images, "text": tokens}, training=True)
+        return tuple(self.objective_terms(out, batch).values())
 
     def objective_terms(self, out: dict[str, Any], batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """Each objective's weighted term of this training step, in the order they are summed."""
@@ -394,7 +417,50 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         total = int(trainer.estimated_stepping_batches) if trainer is not None and any(
             isinstance(o.start, float) for o in self.objectives.values()) else 0
         return {name: objective(out, batch, objective.weight_at(step, total))
-                for name, objective in self.objectives.items()}
+                for name, objective in self._present().items()}
+
+    def _present(self) -> dict[str, Objective]:
+        """The objectives whose parts the module has (a 0-weighted one too: it runs, weighted 0, and
+        its validation figures are still logged), in order."""
+        return {n: o for n, o in self.objectives.items() if has_parts(o, self.model, self)}
+
+    def step_forward(self, batch: dict[str, Tensor], training: bool) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """The forward of one step and the batch its objectives score: each objective first adds
+        to the batch what it prepares (:meth:`mmssl.objectives.Objective.prepare`: corrupted
+        captions, their targets, its random draws) and the forward reads its ``inputs``.
+
+        Every draw comes from one per-sample stream, cut in the objectives' order
+        (:meth:`uniforms`), so adding an objective after another leaves the other's draws alone.
+        Without a draw or an input (CLIP, CoCa) this is ``self(image, text)``.
+        """
+        present = list(self._present().values())
+        widths = [o.draws(batch, training) for o in present]
+        uniforms = self.uniforms(batch["image"], sum(widths), training) if sum(widths) else None
+        batch, inputs, first = dict(batch), {}, 0
+        for objective, width in zip(present, widths):
+            drawn = uniforms[:, first:first + width] if width else None  # (B, width)
+            first += width
+            added = objective.prepare(self, batch, drawn, training)
+            batch.update(added)
+            inputs.update({k: added[k] for k in objective.inputs})
+        return self(batch["image"], batch["text"], **inputs), batch
+
+    def uniforms(self, images: Tensor, width: int, training: bool) -> Tensor:
+        """(B, width) uniforms of this rank's samples for the objectives' draws of this step.
+
+        Training: each sample's row seeded by (run seed, step, its index in the global batch)
+        (:func:`mmssl.objectives.sample_uniforms`): N ranks draw what one process draws on the
+        concatenated batch, and a resumed run what the uninterrupted one drew. Validation: each
+        row from the sample's pixels (:func:`mmssl.models.masking.sample_noise`, seed 1), with no
+        step and no collective, so a sample is scored alike whichever rank or batch it is in.
+        """
+        if not training:
+            return sample_noise(images, width, seed=1)
+        trainer = attached_trainer(self)
+        step = trainer.global_step if trainer is not None else 0
+        batch = images.shape[0]
+        return sample_uniforms(int(os.environ.get("PL_GLOBAL_SEED", 0)), step, rank() * batch, batch, width,
+                               images.device)
 
     # Training ----------------------------------------------------------------------------------
 
@@ -421,7 +487,7 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
             self.flip.ratio = self.flip_options.ratio_at(self.trainer.global_step, total, self.image_mask_ratio)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        out = self(batch["image"], batch["text"])
+        out, batch = self.step_forward(batch, training=True)
         terms = self.objective_terms(out, batch)
         names = list(terms)
         loss = terms[names[0]]
@@ -436,7 +502,9 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         if logging_step(attached_trainer(self)):
             for name, value in terms.items():
-                self.log(f"train/{name}_loss", value.detach())
+                self.log(f"train/{name}_loss", value.detach())  # the weighted term
+            for objective in self._present().values():
+                objective.log_training(self)  # train/mlm_top1, ...
             # Lightning keeps a step's metrics only on its logging steps (log_every_n_steps), and each
             # `self.log` costs ~1 ms: log the slow-moving values only where they are kept.
             self.log("train/logit_scale", self.model.logit_scale.exp().detach())
@@ -469,22 +537,20 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         self.validation.reset()
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        out = self(batch["image"], batch["text"])  # eval mode: unmasked
+        # No collective here: a rank may have no validation batch. Draws come from each sample's
+        # pixels (``uniforms``), so a sample is scored alike whichever rank or batch it lands in.
+        out, batch = self.step_forward(batch, training=False)  # eval mode: unmasked images
         # Each objective's term of the batch (the contrastive one against the batch's own
         # negatives), weighted as in training into val/loss; each term kept by its objective.
         loss = None
-        for objective in self._validated():
+        for objective in self._present().values():
             term = objective.weight * objective.validation(out, batch)
             loss = term if loss is None else loss + term
         self.validation.update(out["image_features"], out["text_features"], loss)
 
-    def _validated(self) -> list[Objective]:
-        """The objectives whose parts the model has (a 0-weighted one too: its figure is still logged)."""
-        return [o for o in self.objectives.values() if all(getattr(self.model, p, None) is not None for p in o.parts)]
-
     def on_validation_epoch_end(self) -> None:
         self.validation.log_to(self)  # val/loss, val/i2t_R@k, val/t2i_R@k over every rank's features
-        for objective in self._validated():
+        for objective in self._present().values():
             if len(self.objectives) > 1:
                 objective.log_validation(self)  # val/<name>_loss, ...
             else:

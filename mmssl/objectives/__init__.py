@@ -1,8 +1,18 @@
 """How a model is trained: one pretext task per file, composed by name in a model's ``objectives``."""
 
-from mmssl.objectives.base import OBJECTIVES, Objective, build_objectives, check_parts
+from mmssl.objectives.base import (
+    OBJECTIVES,
+    Objective,
+    build_objectives,
+    check_parts,
+    has_parts,
+    sample_uniforms,
+)
 from mmssl.objectives.caption import Captioning
 from mmssl.objectives.contrastive import LOSS_INIT, Contrastive, contrastive_loss
+from mmssl.objectives.itm import ImageTextMatching, itm_sums, pick_negatives
+from mmssl.objectives.masked_text import MaskedLanguageModelling
 
-__all__ = ["LOSS_INIT", "OBJECTIVES", "Captioning", "Contrastive", "Objective", "build_objectives", "check_parts",
-           "contrastive_loss"]
+__all__ = ["LOSS_INIT", "OBJECTIVES", "Captioning", "Contrastive", "ImageTextMatching", "MaskedLanguageModelling",
+           "Objective", "build_objectives", "check_parts", "contrastive_loss", "has_parts", "itm_sums",
+           "pick_negatives", "sample_uniforms"]

@@ -12,15 +12,29 @@ terms at 80%). Before its start the term is computed and weighted 0, so its para
 DDP's graph and every random draw happens in the same order as after it: a run resumed across the
 start is bit-exact.
 
+Some objectives act before the forward as well as after it (BERT's masked words corrupt the captions
+the text tower reads; MAE-style masking will drop patches): :meth:`Objective.prepare` adds to the
+step's batch what the forward then reads (``inputs``: taken by the host's forward by keyword) and
+what the term is scored against (targets), in the objectives' order. Their random draws are the
+host's, handed out in that order from one per-sample stream (:meth:`Objective.draws`): in training
+each sample's uniforms are seeded by (run seed, step, the sample's index in the global batch)
+(:func:`sample_uniforms`), so N ranks draw what one process draws on the concatenated batch and a
+resume draws again what it drew; in validation by the sample's pixels, so a sample is scored alike
+whichever rank or batch it lands in. An objective may also read parts of the module that trains it
+(``host_parts``: a head of the preset that builds it, e.g. ``mlm_head``): those are model parts, in
+the host's checkpoint, and the objective reads them through :attr:`Objective.host`.
+
 Objectives sit below the models in the layers (they import no model): the model that composes
 them names them by their registered name (:data:`OBJECTIVES`).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, ClassVar, Mapping, Optional, Union
 
+import torch
 from torch import Tensor, nn
 
 from mmssl.errors import ConfigError
@@ -37,8 +51,11 @@ class Objective(nn.Module):
 
     name: ClassVar[str] = ""
     order: ClassVar[int] = 100  # the place of its term in the sum and of its random draws: lower first
-    parts: ClassVar[tuple[str, ...]] = ()
+    parts: ClassVar[tuple[str, ...]] = ()  # attributes of the towers' module (``host.model``) it reads
+    host_parts: ClassVar[tuple[str, ...]] = ()  # attributes of the host module it reads (a preset's heads)
+    inputs: ClassVar[tuple[str, ...]] = ()  # what its prepare returns for the host's forward, by keyword
     joint: ClassVar[bool] = False
+    chunked: ClassVar[bool] = True  # False: it reads the whole batch's outputs at once (no GradCache)
 
     def __init__(self, weight: float = 1.0, start: Union[int, float] = 0) -> None:
         super().__init__()
@@ -65,6 +82,38 @@ class Objective(nn.Module):
     def bind(self, model: nn.Module) -> None:
         """Read what the objective takes from the built model (a padding id, ...); after :func:`check_parts`."""
 
+    def check(self, host: nn.Module, model_name: str) -> None:
+        """Refuse, at start-up, a model the objective cannot train though it has the parts (a causal
+        text tower for masked words, ...): raise :class:`~mmssl.errors.ConfigError` naming the key."""
+
+    @property
+    def host(self) -> nn.Module:
+        """The module that trains the objective (set by :func:`check_parts`): its ``host_parts``."""
+        host = self.__dict__.get("_host")
+        if host is None:
+            raise RuntimeError(f"objective {self.name!r} has no host module yet (check_parts attaches it)")
+        return host
+
+    def draws(self, batch: Mapping[str, Tensor], training: bool) -> int:
+        """How many uniforms per sample the objective draws this step (handed to :meth:`prepare`)."""
+        return 0
+
+    def prepare(self, host: nn.Module, batch: Mapping[str, Tensor], uniforms: Optional[Tensor],
+                training: bool) -> dict[str, Tensor]:
+        """What the objective adds to the step's batch before the forward, under names of its own.
+
+        Called in the objectives' order, each seeing what those before it added. The entries named
+        in ``inputs`` are passed to the host's forward by keyword; every entry reaches :meth:`forward`
+        and :meth:`validation` in their ``batch``.
+
+        Args:
+            host: the module that trains it (its named stages: masking in its vocabulary, ...).
+            batch: ``image`` (B, 3, H, W), ``text`` (B, L) and what earlier objectives added.
+            uniforms: (B, :meth:`draws`) this rank's uniforms in [0, 1), or ``None`` when it draws none.
+            training: a training step (else a validation one: no collective, a rank may have no batch).
+        """
+        return {}
+
     def chunk(self, out: Mapping[str, Tensor]) -> Optional[Tensor]:
         """What a GradCache chunk keeps of its joint forward for this objective (a small reduction
         of outputs too large to keep, like a decoder's logits), or ``None``: nothing."""
@@ -80,6 +129,10 @@ class Objective(nn.Module):
 
     def log_validation(self, module: Any) -> None:
         """Log the figures kept by :meth:`validation` (on every rank), ``val/<name>_loss`` first."""
+
+    def log_training(self, module: Any) -> None:
+        """Log the figures of the last training step that :meth:`forward` kept (beside its
+        ``train/<name>_loss``), on the host's logging steps."""
 
 
 OBJECTIVES: dict[str, type[Objective]] = {}  # name -> class, in the order the terms are summed (``order``)
@@ -120,10 +173,48 @@ def build_objectives(spec: Mapping[str, Optional[Mapping[str, Any]]], defaults: 
     return built
 
 
-def check_parts(objectives: Mapping[str, Objective], model: nn.Module, model_name: str) -> None:
-    """Refuse, at start-up, an objective whose parts ``model`` lacks, naming both."""
+def has_parts(objective: Objective, model: nn.Module, host: Optional[nn.Module] = None) -> bool:
+    """Whether ``model`` (the towers) and ``host`` (the module around them) have the objective's parts."""
+    return not _missing(objective, model, host)
+
+
+def _missing(objective: Objective, model: nn.Module, host: Optional[nn.Module]) -> list[str]:
+    """The parts it lacks: of ``model``, and of ``host`` where one is given."""
+    missing = [p for p in objective.parts if getattr(model, p, None) is None]
+    if host is None:
+        return missing
+    takes = inspect.signature(host.forward).parameters
+    return (missing + [p for p in objective.host_parts if getattr(host, p, None) is None]
+            + [f"forward input {i!r}" for i in objective.inputs if i not in takes])
+
+
+def check_parts(objectives: Mapping[str, Objective], model: nn.Module, model_name: str,
+                host: Optional[nn.Module] = None) -> None:
+    """Refuse, at start-up, an objective whose parts ``model`` lacks, naming both. Given ``host`` (the
+    module around ``model``, once it has every part), also its ``host_parts`` and the forward inputs
+    its ``prepare`` returns; then each objective checks the model (:meth:`Objective.check`) and is
+    attached to ``host`` (:attr:`Objective.host`)."""
     for name, objective in objectives.items():
-        missing = [p for p in objective.parts if getattr(model, p, None) is None]
-        if missing and objective.weight > 0:
-            raise ConfigError(f"model.init_args.objectives.{name}: needs the model part(s) {missing}, which "
-                              f"{model_name!r} ({type(model).__name__}) does not have")
+        if objective.weight > 0:
+            missing = _missing(objective, model, host)
+            owner = type(host if objective.host_parts and host is not None else model).__name__
+            if missing:
+                raise ConfigError(f"model.init_args.objectives.{name}: needs the model part(s) {missing}, which "
+                                  f"{model_name!r} ({owner}) does not have")
+        if host is not None:
+            # A plain attribute, not a submodule: the host's parameters stay its own (checkpoint keys).
+            objective.__dict__["_host"] = host
+            if objective.weight > 0:
+                objective.check(host, model_name)
+
+
+def sample_uniforms(seed: int, step: int, first_row: int, rows: int, width: int, device: torch.device) -> Tensor:
+    """(rows, width) uniforms, row i from a generator seeded by (seed, step, first_row + i).
+
+    The draws for a sample depend on its index in the global batch and on the step only, not on
+    the number of ranks it is split over nor on a resume: one process on the concatenated batch
+    draws what N ranks draw. Costs one small CPU generator per sample and step.
+    """
+    out = [torch.rand(width, generator=torch.Generator().manual_seed(
+        ((seed * 1_000_003 + step) * 1_000_003 + first_row + i) & (2**63 - 1))) for i in range(rows)]
+    return torch.stack(out).to(device) if out else torch.zeros(0, width, device=device)

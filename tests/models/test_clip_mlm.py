@@ -13,8 +13,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from mmssl.losses import clip_loss
-from mmssl.models.clip_mlm import CLIPMLM, pick_negatives, sample_uniforms
+from mmssl.models.clip_mlm import CLIPMLM
 from mmssl.models.token_masking import IGNORE_INDEX
+from mmssl.objectives import itm_sums, pick_negatives, sample_uniforms
 from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
 
 MICRO = {
@@ -48,9 +49,9 @@ def _model(micro_json: str, **kwargs) -> CLIPMLM:
 def test_every_parameter_gets_a_gradient(micro_json):
     for loss in ("clip", "siglip"):
         model = _model(micro_json, loss=loss).train()
-        terms = model.losses(torch.randn(4, 3, 32, 32), model.tokenizer(CAPTIONS))
-        assert all(torch.isfinite(terms[k]) for k in ("loss", "contrastive", "mlm", "itm")), terms
-        terms["loss"].backward()
+        terms = model.losses(torch.randn(4, 3, 32, 32), model.tokenizer(CAPTIONS))  # contrastive, mlm, itm
+        assert len(terms) == 3 and all(torch.isfinite(t) for t in terms), terms
+        sum(terms).backward()
         missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
         assert not missing, (loss, missing)
 
@@ -68,11 +69,13 @@ def test_loss_terms_by_hand(micro_json):
     model = _model(micro_json, mlm_weight=0.7, itm_weight=0.3).eval()
     images, tokens = torch.randn(4, 3, 32, 32), model.tokenizer(CAPTIONS)
     noise = torch.rand(*tokens.shape, 3, generator=torch.Generator().manual_seed(0))
+    mlm = model.objectives["mlm"]
     with torch.no_grad():
         out = model(images, tokens)
         masking = model.mask_captions(tokens, noise)
-        ce_sum, correct, count = model.mlm_sums(masking)
-        itm_sum, hits, itm_count = model.itm_sums(out, tokens, None, gathered=False)
+        batch = {"mlm_labels": masking.labels, "mlm_selected": masking.selected}
+        ce_sum, correct, count = mlm.sums(model.forward_text_tokens(masking.input_ids), batch)
+        itm_sum, hits, itm_count = itm_sums(model.itm_head, out, tokens, None, gathered=False)
         # MLM by hand: open_clip's text transformer without a mask, BERT's head tied to the embeddings.
         m = model.model
         x = m.token_embedding(masking.input_ids) + m.positional_embedding
@@ -100,15 +103,21 @@ def test_loss_terms_by_hand(micro_json):
             logit = model.itm_head(text[t:t + 1], out["image_tokens"][v:v + 1])
             terms.append(F.cross_entropy(logit, torch.tensor([label]), reduction="sum"))
         assert itm_count == 12 and itm_sum == pytest.approx(float(sum(terms)), rel=1e-4)
-        # The total, as training weighs it (one process: the token mean and the 3B mean).
+        # The terms, as training weighs them (one process: the token mean), on training's draws: the
+        # masking noise is the first 3L of each sample's uniforms (the negatives' 2N follow).
         model.train()
         torch.manual_seed(1)
-        terms = model.losses(images, tokens)
+        contrastive_term, mlm_term, itm_term = model.losses(images, tokens)
         again = model(images, tokens)  # FLIP is off: training mode sees whole images too
         contrastive = clip_loss(again["image_features"], again["text_features"], m.logit_scale.exp())
-        assert terms["contrastive"] == pytest.approx(float(contrastive), rel=1e-5)
-        assert terms["loss"] == pytest.approx(float(terms["contrastive"] + 0.7 * terms["mlm"] + 0.3 * terms["itm"]),
-                                              rel=1e-5)
+        assert contrastive_term == pytest.approx(float(contrastive), rel=1e-5)
+        length = tokens.shape[1]
+        drawn = model.mask_captions(tokens, model.uniforms(images, 3 * length + 8, True)[:, :3 * length].reshape(
+            4, length, 3))
+        ce_sum, _, count = mlm.sums(model.forward_text_tokens(drawn.input_ids),
+                                    {"mlm_labels": drawn.labels, "mlm_selected": drawn.selected})
+        assert mlm_term == pytest.approx(0.7 * float(ce_sum / count), rel=1e-5)
+        assert 0 < itm_term < 0.3 * 3  # 0.3 x the CE mean of 12 pairs of 2 classes, near log 2
 
 
 def test_caption_without_maskable_token_contributes_nothing(micro_json):
@@ -116,14 +125,13 @@ def test_caption_without_maskable_token_contributes_nothing(micro_json):
     images = torch.randn(2, 3, 32, 32)
     empty = model.tokenizer(["", ""])  # start and end of text only
     terms = model.losses(images, empty)
-    assert terms["mlm"] == 0 and torch.isfinite(terms["loss"]) and terms["captions_without_target"] == 2
-    terms["loss"].backward()
+    assert terms[1] == 0 and torch.isfinite(sum(terms))
+    assert model.objectives["mlm"].figures["captions_without_target"] == 2
+    sum(terms).backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     mixed = model.tokenizer(["", "a blue circle"])
     noise = torch.rand(*mixed.shape, 3, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        _, _, count = model.mlm_sums(model.mask_captions(mixed, noise))
-    assert count == 1  # the second caption's one chosen word; the empty one adds nothing
+    assert model.mask_captions(mixed, noise).selected.sum() == 1  # the second caption's one chosen word
 
 
 def test_negatives_follow_the_softmax_and_skip_invalid_columns():
@@ -226,9 +234,9 @@ def _exact_terms(micro_json: str, rows: slice) -> tuple[dict[str, float], dict[s
     """Loss terms (mean over ranks) and gradients (mean over ranks, as DDP's) of ``rows`` of the batch."""
     model = _model(micro_json).train()
     images = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))[rows]
-    terms = model.losses(images, model.tokenizer(BATCH8)[rows])
-    terms["loss"].backward()
-    values = torch.stack([terms[k].detach() for k in ("loss", "contrastive", "mlm", "itm")])
+    terms = model.losses(images, model.tokenizer(BATCH8)[rows])  # contrastive, mlm, itm (weights 1)
+    sum(terms).backward()
+    values = torch.stack([sum(terms).detach(), *(t.detach() for t in terms)])
     grads = {n: p.grad for n, p in model.named_parameters()}
     if dist.is_initialized():
         dist.all_reduce(values)
@@ -270,18 +278,22 @@ def test_one_text_tower_call_gives_what_two_calls_gave(micro_json):
     for joint in (True, False):
         model = _model(micro_json, mlm_weight=0.7, itm_weight=0.3).train()
         tokens = model.tokenizer(CAPTIONS)
-        mlm_noise, neg_noise = model._draws(4, tokens.shape[1], images.device)
-        masking = model.mask_captions(tokens, mlm_noise)
+        length = tokens.shape[1]
+        uniforms = model.uniforms(images, 3 * length + 8, training=True)  # masking first, then 2N negatives
+        masking = model.mask_captions(tokens, uniforms[:, :3 * length].reshape(4, length, 3))
         if joint:
-            terms = model.losses(images, tokens)
+            contrastive, mlm, itm = model.losses(images, tokens)
+            terms = {"loss": contrastive + mlm + itm, "contrastive": contrastive, "mlm": mlm / 0.7, "itm": itm / 0.3}
             with torch.no_grad():
                 out = model(images, tokens, masking.input_ids)
-            assert out["masked_states"].shape == (4, tokens.shape[1], 32)
+            assert out["masked_states"].shape == (4, length, 32)
         else:  # the two calls, by hand, on the same draws
             out = model(images, tokens)
             assert "masked_states" not in out
-            ce_sum, _, count = model.mlm_sums(masking)  # the tower on the corrupted captions alone
-            itm_sum, _, _ = model.itm_sums(out, tokens, neg_noise, gathered=True)
+            batch = {"mlm_labels": masking.labels, "mlm_selected": masking.selected}
+            states = model.forward_text_tokens(masking.input_ids)  # the tower on the corrupted captions alone
+            ce_sum, _, count = model.objectives["mlm"].sums(states, batch)
+            itm_sum, _, _ = itm_sums(model.itm_head, out, tokens, uniforms[:, 3 * length:], gathered=True)
             contrastive, mlm, itm = model.contrastive_loss(out), ce_sum / count, itm_sum / 12
             terms = {"loss": contrastive + 0.7 * mlm + 0.3 * itm, "contrastive": contrastive, "mlm": mlm, "itm": itm}
         terms["loss"].backward()

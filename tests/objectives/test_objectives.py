@@ -34,7 +34,7 @@ def test_a_start_is_a_step_or_a_fraction_of_the_run():
 
 def test_terms_are_summed_in_one_order_whatever_the_configs():
     built = build_objectives({"caption": {"weight": 0.5}, "contrastive": None}, {"contrastive": {"loss": "siglip"}})
-    assert list(built) == ["contrastive", "caption"] == list(OBJECTIVES)
+    assert list(built) == ["contrastive", "caption"] == list(OBJECTIVES)[:2]
     assert (built["contrastive"].loss, built["contrastive"].weight, built["caption"].weight) == ("siglip", 1.0, 0.5)
     assert list(build_objectives({}, {"contrastive": {}})) == ["contrastive"]
     with pytest.raises(ConfigError, match=r"^model.init_args.objectives: a mapping of objective names"):
