@@ -130,8 +130,10 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         objectives: what is trained, by name, each ``{weight, start}`` (``start``: a step, or a
             fraction of the run below 1, before which the term weighs 0): ``contrastive`` (always
             there; weight 1 by default), ``caption`` (weight 2, CoCa's; needs a model with a
-            caption decoder). ``None``: the contrastive loss alone. With several, each weighted
-            term is logged as ``train/<name>_loss`` and ``val/<name>_loss``.
+            caption decoder), ``mlm`` and ``itm`` (need the heads of a preset that builds them:
+            :class:`~mmssl.models.clip_mlm.CLIPMLM`). ``None``: the contrastive loss alone. With
+            several, each weighted term is logged as ``train/<name>_loss`` and each unweighted
+            validation figure as ``val/<name>_loss``.
     """
 
     # Keys of configs and checkpoints written before the parts became config groups (mmssl.renames).
