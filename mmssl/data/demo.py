@@ -23,12 +23,15 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw
 
 from mmssl.data.label_files import CLASSNAMES_FILE, NSHARDS_FILE, TEMPLATES_FILE
 from mmssl.data.shards import clip_benchmark_shard_pattern, write_clip_benchmark_files, write_samples
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "diamond")
+# The per-pixel classes of a scene (render_mask, dense_demo_set): 0 the background, 1 + i SHAPES[i].
+DENSE_CLASSES: tuple[str, ...] = ("background", *SHAPES)
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
     "green": (40, 170, 60),
@@ -121,6 +124,78 @@ def _polygon(shape: str, cx: float, cy: float, r: float, rot: float) -> list[tup
     return [(cx + rr * math.cos(a), cy + rr * math.sin(a)) for a, rr in zip(angles, radii)]
 
 
+@dataclass(frozen=True)
+class Scene:
+    """One scene's attributes and geometry: everything :func:`draw_scene` draws, drawn once.
+
+    Attributes:
+        attrs: ``shape``, ``color``, ``size``, ``position``, ``background``.
+        image_size: side of the square image in pixels.
+        background: the background's RGB (jittered).
+        fill: the shape's RGB (jittered).
+        cx, cy, r: the shape's centre and outer radius in pixels.
+        rot: the polygon's rotation in radians (``None`` for a circle, which draws none).
+    """
+
+    attrs: dict[str, str]
+    image_size: int
+    background: tuple[int, ...]
+    fill: tuple[int, ...]
+    cx: float
+    cy: float
+    r: float
+    rot: float | None
+
+
+def draw_geometry(rng: random.Random, image_size: int = 64) -> Scene:
+    """Draw one scene's attributes and geometry from ``rng``: every random draw of a scene.
+
+    The draws come in one fixed order (attributes, background jitter, centre, radius, fill, then the
+    rotation of a polygon), the order the demo shards were generated in: changing it would change
+    every shard and every figure drawn from them.
+    """
+    attrs = {
+        "shape": rng.choice(SHAPES),
+        "color": rng.choice(list(COLORS)),
+        "size": rng.choice(list(SIZES)),
+        "position": rng.choice(list(POSITIONS)),
+        "background": rng.choice(list(BACKGROUNDS)),
+    }
+    bg = tuple(min(255, max(0, v + rng.randint(-12, 12))) for v in BACKGROUNDS[attrs["background"]])
+    fx, fy = POSITIONS[attrs["position"]]
+    jitter = 0.05 * image_size
+    cx = fx * image_size + rng.uniform(-jitter, jitter)
+    cy = fy * image_size + rng.uniform(-jitter, jitter)
+    r = SIZES[attrs["size"]] * image_size * rng.uniform(0.85, 1.1) * (0.75 if fx != 0.5 else 1.0)
+    fill = tuple(min(255, max(0, v + rng.randint(-20, 20))) for v in COLORS[attrs["color"]])
+    rot = None if attrs["shape"] == "circle" else rng.uniform(-0.25, 0.25)
+    return Scene(attrs, image_size, bg, fill, cx, cy, r, rot)
+
+
+def _paint(scene: Scene, mode: str, background: int | tuple[int, ...], fill: int | tuple[int, ...]) -> Image.Image:
+    """``scene``'s shape in ``fill`` on ``background``, in PIL ``mode``: one rasterisation for the
+    image and its mask, so both cover the same pixels."""
+    img = Image.new(mode, (scene.image_size, scene.image_size), background)
+    draw = ImageDraw.Draw(img)
+    cx, cy, r = scene.cx, scene.cy, scene.r
+    if scene.rot is None:
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    else:
+        draw.polygon(_polygon(scene.attrs["shape"], cx, cy, r, scene.rot), fill=fill)
+    return img
+
+
+def render_scene(scene: Scene) -> Image.Image:
+    """The RGB image of ``scene``."""
+    return _paint(scene, "RGB", scene.background, scene.fill)
+
+
+def render_mask(scene: Scene) -> Image.Image:
+    """The per-pixel class map of ``scene`` as an ``"L"`` image: 0 for the background, ``1 +
+    SHAPES.index(shape)`` for the shape's pixels (the labels of :func:`dense_demo_set`)."""
+    return _paint(scene, "L", 0, 1 + SHAPES.index(scene.attrs["shape"]))
+
+
 def draw_scene(
     rng: random.Random, image_size: int = 64
 ) -> tuple[Image.Image, dict[str, str]]:
@@ -134,28 +209,37 @@ def draw_scene(
         The image and its attributes (``shape``, ``color``, ``size``, ``position``,
         ``background``).
     """
-    attrs = {
-        "shape": rng.choice(SHAPES),
-        "color": rng.choice(list(COLORS)),
-        "size": rng.choice(list(SIZES)),
-        "position": rng.choice(list(POSITIONS)),
-        "background": rng.choice(list(BACKGROUNDS)),
-    }
-    bg = tuple(min(255, max(0, v + rng.randint(-12, 12))) for v in BACKGROUNDS[attrs["background"]])
-    img = Image.new("RGB", (image_size, image_size), bg)
-    draw = ImageDraw.Draw(img)
-    fx, fy = POSITIONS[attrs["position"]]
-    jitter = 0.05 * image_size
-    cx = fx * image_size + rng.uniform(-jitter, jitter)
-    cy = fy * image_size + rng.uniform(-jitter, jitter)
-    r = SIZES[attrs["size"]] * image_size * rng.uniform(0.85, 1.1) * (0.75 if fx != 0.5 else 1.0)
-    fill = tuple(min(255, max(0, v + rng.randint(-20, 20))) for v in COLORS[attrs["color"]])
-    if attrs["shape"] == "circle":
-        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
-    else:
-        rot = rng.uniform(-0.25, 0.25)
-        draw.polygon(_polygon(attrs["shape"], cx, cy, r, rot), fill=fill)
-    return img, attrs
+    scene = draw_geometry(rng, image_size)
+    return render_scene(scene), scene.attrs
+
+
+def dense_demo_set(n: int, image_size: int = 64, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` demo scenes with their per-pixel shape classes, in memory (no shards): the labelled set
+    of the dense probe (:mod:`mmssl.evaluation.dense`).
+
+    The classes are ``("background", *SHAPES)``: 0 is the background, ``1 + i`` the pixels of
+    ``SHAPES[i]`` (:data:`DENSE_CLASSES`). Each scene is drawn as the demo shards draw theirs
+    (:func:`draw_geometry`), from one ``random.Random(seed)``: the same seed gives the same set (not
+    a shard split's images: a split also draws each caption from its source).
+
+    Args:
+        n: number of scenes.
+        image_size: side of the square images in pixels (the model's input size).
+        seed: seeds the one random source.
+
+    Returns:
+        ``images`` (N, H, W, 3) uint8 RGB and ``masks`` (N, H, W) int64 class ids.
+    """
+    if n < 0 or image_size < 1:
+        raise ValueError(f"dense_demo_set needs n >= 0 and image_size >= 1, got n={n}, image_size={image_size}")
+    rng = random.Random(seed)
+    images = np.zeros((n, image_size, image_size, 3), dtype=np.uint8)
+    masks = np.zeros((n, image_size, image_size), dtype=np.int64)
+    for i in range(n):
+        scene = draw_geometry(rng, image_size)
+        images[i] = np.asarray(render_scene(scene))
+        masks[i] = np.asarray(render_mask(scene))
+    return images, masks
 
 
 def caption(attrs: dict[str, str], rng: random.Random) -> str:

@@ -26,6 +26,7 @@ CASES = {
     "benchmark": ["--config", MISSING, "--steps", "1"],
     "caption": ["--ckpt", MISSING, "--images", "a.png"],
     "consolidate": ["--ckpt", MISSING, "--output", "out.pth"],
+    "dense_probe": ["--ckpt", MISSING],
     "evaluate": ["--ckpt", "a.ckpt", "--suite", MISSING, "--output", "out"],
     "export": ["--ckpt", MISSING, "--format", "timm", "--output", "out.pth"],
     "fashion_mnist": ["--data", MISSING, "--output", "out"],
