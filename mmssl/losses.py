@@ -148,8 +148,9 @@ class _LogSumExpOverColumns(torch.autograd.Function):
     def backward(ctx, grad_lse: Tensor) -> tuple[Optional[Tensor], ...]:
         rows, cols, scale, lse = ctx.saved_tensors
 
-        def weights(logits: Tensor, start: int) -> Tensor:  # (B, c): upstream x softmax
-            return (grad_lse[:, None] * torch.exp(logits.to(lse.dtype) - lse[:, None])).to(logits.dtype)
+        def weights(logits: Tensor, start: int) -> Tensor:  # (B, c): upstream x softmax, in place where it can
+            p = logits.to(lse.dtype).sub_(lse[:, None]).exp_()
+            return p.mul_(grad_lse[:, None]).to(logits.dtype)
 
         return (*_block_backward(ctx, rows, cols, scale, None, weights)[:3], None)
 
@@ -175,7 +176,7 @@ class _SigmoidLossOverColumns(torch.autograd.Function):
         total = None
         for start, block in _blocks(cols, chunk_size):
             logits = scaled @ block.T + bias  # (B, c)
-            part = -F.logsigmoid(_signs(logits, offset - start) * logits).sum()
+            part = -F.logsigmoid(_signed(logits, offset - start)).sum()
             total = part if total is None else total + part
         ctx.save_for_backward(rows, cols, scale, bias)
         ctx.offset, ctx.chunk_size, ctx.autocast = offset, chunk_size, _autocast_state(rows.device.type)
@@ -186,8 +187,9 @@ class _SigmoidLossOverColumns(torch.autograd.Function):
         rows, cols, scale, bias = ctx.saved_tensors
 
         def weights(logits: Tensor, start: int) -> Tensor:  # (B, c): d(-log sigmoid(z x)) / dx = -z sigmoid(-z x)
-            signs = _signs(logits, ctx.offset - start)
-            return (-grad_total * signs * torch.sigmoid(-signs * logits)).to(logits.dtype)
+            g = torch.sigmoid_(_signed(logits, ctx.offset - start).neg_())  # sigmoid(-z x), in place
+            g.diagonal(ctx.offset - start).neg_()  # times -z: +1 for the negatives, -1 for the positives
+            return g.mul_(grad_total)
 
         return (*_block_backward(ctx, rows, cols, scale, bias, weights), None, None)
 
@@ -223,11 +225,13 @@ def _block_backward(ctx: Any, rows: Tensor, cols: Tensor, scale: Tensor, bias: O
     )
 
 
-def _signs(logits: Tensor, diagonal: int) -> Tensor:
-    """(B, c): -1, and +1 on ``diagonal`` (row i's own column, i + diagonal, where it is in the block)."""
-    signs = torch.full_like(logits, -1.0)
-    signs.diagonal(diagonal).fill_(1.0)  # empty when the block holds none of the positives
-    return signs
+def _signed(logits: Tensor, diagonal: int) -> Tensor:
+    """``z * logits`` in place, (B, c): z = -1, and +1 on ``diagonal`` (row i's own column, i + diagonal,
+    where the block holds it; the diagonal is empty where it holds none). Negating is exact: the
+    dense loss's ``labels * logits``, bit for bit, without a (B, c) tensor of signs."""
+    signed = logits.neg_()
+    signed.diagonal(diagonal).neg_()
+    return signed
 
 
 def _check_chunking(rows: Tensor, cols: Tensor, offset: int, chunk_size: int) -> None:
