@@ -340,7 +340,7 @@ class ImageTextDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> EpochLoader:
         # The stream is planned here again, not kept from setup's check: a resumed run's seed is
         # restored after setup (load_state_dict), and the plan deals the shards by the seed. A plan
-        # takes well under a second (tests/data/test_stream_plan.py, a LAION-sized layout).
+        # takes well under a second (benchmarks/plan_speed.py, a LAION-sized layout).
         rank, world = self._rank_world()
         stream = self.build_stream(self.train_data, True, rank, world)
         if self._loaded is not None:
