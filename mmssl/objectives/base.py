@@ -30,6 +30,7 @@ them names them by their registered name (:data:`OBJECTIVES`).
 
 from __future__ import annotations
 
+import abc
 import inspect
 import math
 from typing import Any, ClassVar, Mapping, Optional, Union
@@ -40,8 +41,9 @@ from torch import Tensor, nn
 from mmssl.errors import ConfigError
 
 
-class Objective(nn.Module):
-    """One pretext task's loss.
+class Objective(nn.Module, abc.ABC):
+    """One pretext task's loss (abstract: a subclass that lacks ``forward`` or ``validation``
+    fails when it is built, not at its first step).
 
     Args:
         weight: the term's weight in the sum (>= 0); 0 leaves the term out.
@@ -119,13 +121,13 @@ class Objective(nn.Module):
         of outputs too large to keep, like a decoder's logits), or ``None``: nothing."""
         return None
 
+    @abc.abstractmethod
     def forward(self, out: Mapping[str, Any], batch: Mapping[str, Tensor], weight: float) -> Tensor:
         """This rank's weighted term of a training step (its mean over ranks: the global batch's)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def validation(self, out: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> Tensor:
         """The unweighted term of one validation batch against its own negatives; keeps its figures."""
-        raise NotImplementedError
 
     def log_validation(self, module: Any) -> None:
         """Log the figures kept by :meth:`validation` (on every rank), ``val/<name>_loss`` first."""

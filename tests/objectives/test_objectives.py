@@ -65,3 +65,16 @@ def test_a_coca_distilled_from_a_clip_teacher_trains_every_term(tmp_path, tiny_c
     grads = {n for n, p in student.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert any(n.startswith("model.text_decoder.") for n in grads) and any(n.startswith("model.visual.") for n in grads)
     assert not any("teacher" in k for k in student.state_dict())
+
+
+def test_an_objective_without_its_terms_fails_when_built():
+    from mmssl.objectives import Objective
+
+    class Half(Objective):
+        name = "half"
+
+        def forward(self, out, batch, weight):
+            return weight * out["x"]
+
+    with pytest.raises(TypeError, match="abstract method 'validation'|abstract methods? .*validation"):
+        Half()
