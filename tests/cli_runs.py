@@ -114,3 +114,54 @@ def run_tool(name: str, args: list[str], monkeypatch) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     return 0
+
+
+# SGD: AdamW would turn a zero gradient's float noise (a key bias's) into full-size steps in random
+# directions, hiding what a two-ranks-against-one-process test compares.
+SGD = '{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.9}}'
+
+
+def lockstep_runs(folder: Path, config: str, args_for) -> dict[int, tuple[dict, Path]]:
+    """``mmssl fit --config CONFIG`` on 2 gloo ranks (batch 4 each) and on one process (batch 8)
+    over an 8-sample demo set: every epoch is ONE global batch of the same 8 samples in both runs
+    (mmssl.data.plan deals contiguous runs and shuffles within a rank), so both take the same
+    optimizer steps; SGD, warm-up 1, no loader workers, ``tests.helpers.DumpParams``.
+
+    Args:
+        folder: the test's tmp_path (the demo set and each run's folder go under it).
+        config: the recipe, before ``configs/trainer/ddp_cpu.yaml`` on 2 ranks.
+        args_for: processes -> that run's own flags (model, trainer length, validation, ...).
+
+    Returns:
+        processes -> (rank 0's parameters at the end, its run folder ``runs/version_0``); the ranks
+        of the 2-process run are checked equal.
+    """
+    import torch
+
+    from mmssl.data.demo import ensure_demo_data
+
+    demo = ensure_demo_data(str(folder / "demo"), num_train=8, num_val=16, shard_size=8, image_size=32)
+    runs = {}
+    for processes in (2, 1):
+        here = folder / f"p{processes}"
+        here.mkdir()
+        ddp = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT] if processes == 2 else []
+        args = [
+            "fit", "--config", config, *ddp, *args_for(processes),
+            "--model.init_args.warmup_steps=1", f"--model.init_args.optimizer={SGD}",
+            f"--data.init_args.demo_dir={demo.root}", f"--data.init_args.batch_size={8 // processes}",
+            "--data.init_args.num_workers=0",
+            f"--trainer.default_root_dir={here / 'runs'}", "--trainer.enable_progress_bar=false",
+            "--trainer.callbacks+=tests.helpers.DumpParams", f"--trainer.callbacks.folder={here / 'params'}",
+        ]
+        if processes == 2:
+            out = run_mmssl(args, here, timeout=300)
+            assert out.returncode == 0, out.stdout[-3000:]
+            assert "world_size=2" in out.stdout and "global_batch_size=8" in out.stdout
+        else:
+            run_one_process(args)
+        params = [torch.load(here / "params" / f"rank{r}.pt") for r in range(processes)]
+        for name in params[0]:
+            torch.testing.assert_close(params[-1][name], params[0][name], rtol=0, atol=0, msg=name)
+        runs[processes] = (params[0], here / "runs" / "version_0")
+    return runs

@@ -21,12 +21,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from mmssl.checkpoints import read_checkpoint
-from mmssl.data.demo import ensure_demo_data
 from mmssl.errors import ConfigError
 from mmssl.losses import clip_loss, siglip_loss
 from mmssl.objectives import contrastive_loss
 from mmssl.objectives.contrastive import Contrastive
-from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
+from tests.cli_runs import REPO, last_metrics, lockstep_runs
 from tests.helpers import run_two_ranks
 
 B, N, D = 4, 12, 8
@@ -299,45 +298,24 @@ def test_the_objective_takes_a_chunk_size_and_refuses_bad_ones(tiny_clip_json, m
 
 # Through the CLI --------------------------------------------------------------------------------------
 
-SGD = '{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.9}}'
-
-
 def test_two_ranks_with_chunked_loss_and_gradcache_train_what_one_dense_process_trains(tmp_path):
-    """As tests/models/test_gradcache_distill_cli.py: 8 samples, 4 per rank on 2 ranks, 8 in one
-    process, so every epoch is one global batch in both runs; SGD. The 2-process run chunks the
+    """tests.cli_runs.lockstep_runs: 8 samples, 4 per rank on 2 ranks, 8 in one process, so every
+    epoch is one global batch in both runs; SGD. The 2-process run chunks the
     loss's 8 columns 3 + 3 + 2 (both directions of CLIP's softmax loss, each rank's positives
     across blocks) and the towers 3 + 1 per rank (GradCache); the one-process run chunks nothing.
     Validation (zero-shot, retrieval, the loss) on. Both must end with the same weights."""
-    demo = ensure_demo_data(str(tmp_path / "demo"), num_train=8, num_val=16, shard_size=8, image_size=32)
-    runs = {}
-    for processes in (2, 1):
-        folder = tmp_path / f"p{processes}"
-        folder.mkdir()
-        ddp = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT] if processes == 2 else []
+    def flags(processes: int) -> list[str]:
         chunk = 3 if processes == 2 else "null"
-        args = [
-            "fit", "--config", str(REPO / "configs/demo/clip.yaml"), *ddp,
+        return [
             "--model.init_args.loss=clip",
             # (JSON: a dotted key cannot reach into ``objectives`` while the config leaves it null)
             f'--model.init_args.objectives={{"contrastive": {{"chunk_size": {chunk}}}}}',
             f"--model.init_args.contrastive_chunk_size={chunk}",
-            "--model.init_args.warmup_steps=1", f"--model.init_args.optimizer={SGD}",
-            f"--data.init_args.demo_dir={demo.root}", f"--data.init_args.batch_size={8 // processes}",
-            "--data.init_args.num_workers=0",
             "--trainer.max_epochs=2", "--trainer.gradient_clip_val=0.5", "--trainer.log_every_n_steps=1",
-            f"--trainer.default_root_dir={folder / 'runs'}", "--trainer.enable_progress_bar=false",
-            "--trainer.callbacks+=tests.helpers.DumpParams", f"--trainer.callbacks.folder={folder / 'params'}",
         ]
-        if processes == 2:
-            out = run_mmssl(args, folder, timeout=300)
-            assert out.returncode == 0, out.stdout[-3000:]
-            assert "world_size=2" in out.stdout and "global_batch_size=8" in out.stdout
-        else:
-            run_one_process(args)
-        params = [torch.load(folder / "params" / f"rank{r}.pt") for r in range(processes)]
-        for name in params[0]:
-            torch.testing.assert_close(params[-1][name], params[0][name], rtol=0, atol=0, msg=name)
-        runs[processes] = (params[0], last_metrics(folder / "runs" / "version_0", ("val/", "epoch")))
+
+    runs = {p: (params, last_metrics(run, ("val/", "epoch")))
+            for p, (params, run) in lockstep_runs(tmp_path, str(REPO / "configs/demo/clip.yaml"), flags).items()}
     (two, two_metrics), (one, one_metrics) = runs[2], runs[1]
     assert two_metrics["epoch"] == one_metrics["epoch"] == 1
     assert {"val/loss", "val/zero_shot_top1", "val/i2t_R@1"} <= two_metrics.keys()

@@ -2,11 +2,11 @@
 sigmoid loss plus captioning, from CLIP's module) on 2 gloo ranks trains what one process trains,
 and its caption term switches on at the configured fraction of the run on both.
 
-As tests/models/test_gradcache_distill_cli.py: an 8-sample training set, 4 per rank on 2 ranks and 8
-in one process, so every epoch is one global batch of the same 8 samples and both runs take the same
-optimizer steps; SGD (AdamW would magnify float noise in the bias's gradient). The caption term is a
-token mean over the whole global batch (each rank's share rescaled by its token count), the sigmoid
-loss a sum over all pairs: both are one process's on 2 ranks, so the weights must agree.
+tests.cli_runs.lockstep_runs: an 8-sample training set, 4 per rank on 2 ranks and 8 in one process,
+so every epoch is one global batch of the same 8 samples and both runs take the same optimizer
+steps; SGD. The caption term is a token mean over the whole global batch (each rank's share
+rescaled by its token count), the sigmoid loss a sum over all pairs: both are one process's on 2
+ranks, so the weights must agree.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import csv
 import pytest
 import torch
 
-from mmssl.data.demo import ensure_demo_data
-from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, run_one_process
+from tests.cli_runs import REPO, last_metrics, lockstep_runs
 
-SGD = '{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.9}}'
 STEPS = 4  # one global batch an epoch
 
 
@@ -31,33 +29,13 @@ def _caption_terms(run) -> dict[int, float]:
 
 
 def test_siglip_with_captioning_on_two_ranks_trains_what_one_process_trains(tmp_path, tiny_coca_json):
-    demo = ensure_demo_data(str(tmp_path / "demo"), num_train=8, num_val=16, shard_size=8, image_size=32)
-    runs = {}
-    for processes in (2, 1):
-        folder = tmp_path / f"p{processes}"
-        folder.mkdir()
-        ddp = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT] if processes == 2 else []
-        args = [
-            "fit", "--config", str(REPO / "configs/demo/siglip_caption.yaml"), *ddp,
-            f"--model.init_args.model_name={tiny_coca_json}",
-            "--model.init_args.objectives.caption.start=0.5",  # from step 2 of 4
-            "--model.init_args.warmup_steps=1", f"--model.init_args.optimizer={SGD}",
-            f"--data.init_args.demo_dir={demo.root}", f"--data.init_args.batch_size={8 // processes}",
-            "--data.init_args.num_workers=0",
-            f"--trainer.max_steps={STEPS}", f"--trainer.max_epochs={STEPS}", "--trainer.log_every_n_steps=1",
-            "--trainer.val_check_interval=1.0", f"--trainer.check_val_every_n_epoch={STEPS}",
-            f"--trainer.default_root_dir={folder / 'runs'}", "--trainer.enable_progress_bar=false",
-            "--trainer.callbacks+=tests.helpers.DumpParams", f"--trainer.callbacks.folder={folder / 'params'}",
-        ]
-        if processes == 2:
-            out = run_mmssl(args, folder, timeout=300)
-            assert out.returncode == 0, out.stdout[-3000:]
-            assert "world_size=2" in out.stdout and "global_batch_size=8" in out.stdout
-        else:
-            run_one_process(args)
-        run = folder / "runs" / "version_0"
-        runs[processes] = (torch.load(folder / "params" / "rank0.pt"), last_metrics(run, ("val/",)),
-                           _caption_terms(run))
+    runs = lockstep_runs(tmp_path, str(REPO / "configs/demo/siglip_caption.yaml"), lambda processes: [
+        f"--model.init_args.model_name={tiny_coca_json}",
+        "--model.init_args.objectives.caption.start=0.5",  # from step 2 of 4
+        f"--trainer.max_steps={STEPS}", f"--trainer.max_epochs={STEPS}", "--trainer.log_every_n_steps=1",
+        "--trainer.val_check_interval=1.0", f"--trainer.check_val_every_n_epoch={STEPS}",
+    ])
+    runs = {p: (params, last_metrics(run, ("val/",)), _caption_terms(run)) for p, (params, run) in runs.items()}
     (two, two_val, two_terms), (one, one_val, one_terms) = runs[2], runs[1]
     for terms in (one_terms, two_terms):  # weighted 0 before its start, counted from it on
         assert sorted(terms) == list(range(STEPS)), terms
