@@ -55,11 +55,27 @@ from mmssl.objectives import (
     has_parts,
     sample_uniforms,
 )
-from mmssl.optim import check_warmup, param_groups, record_shapes, unmatched_patterns, warmup_cosine
+from mmssl.optim import (
+    build_optimizer,
+    check_layer_decay,
+    check_warmup,
+    layer_scales,
+    record_shapes,
+    unmatched_patterns,
+    warmup_cosine,
+)
 from mmssl.sharding import shard_model
 from mmssl.upstream import attached_trainer, open_clip_encode_text_prefix
 
-__all__ = ["CLIP", "LOSS_INIT"]
+__all__ = ["CLIP", "LOSS_INIT", "CLIP_TOWERS"]
+
+# open_clip's towers as this module names their parameters (``CLIP`` keeps the text tower at its top
+# level, ``CustomTextCLIP`` under ``text``): the units of per-tower layer decay.
+CLIP_TOWERS = {
+    "image": ("model.visual.*",),
+    "text": ("model.text.*", "model.transformer.*", "model.token_embedding.*", "model.positional_embedding",
+             "model.ln_final.*", "model.text_projection*"),
+}
 
 
 class CLIP(LoraCheckpoint, pl.LightningModule):
@@ -89,7 +105,14 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         init_logit_bias: initial logit bias; ``None``: none for clip, -10 for siglip.
         logit_scale_max: clamp of the learned logit scale (CLIP: 100).
         optimizer: optimizer factory over two parameter groups (decayed, and weight decay 0 for
-            the ``no_weight_decay`` parameters); AdamW by default.
+            the ``no_weight_decay`` parameters; per layer with ``layer_decay``); AdamW by default.
+            A Muon-family optimizer (``timm.optim.Muon``, its ``algo: adamuon`` and ``nesterov``
+            variants) takes the blocks' weight matrices; every other parameter goes to its AdamW
+            fallback at ``lr x fallback_lr_scale`` (:func:`mmssl.optim.muon_takes`, docs/scale.md).
+        layer_decay: layer-wise LR decay in pretraining (open_clip main, BEiT): a float for both
+            towers or ``{image: 0.75, text: 0.8}``; each tower's block N of depth D trains at
+            ``decay ** (D - N)`` x the LR, its embeddings at ``decay ** (D + 1)``, its final norm and
+            projection, the logit scale and a caption decoder at 1. ``None``: off.
         warmup_steps: linear warm-up steps before the cosine decay.
         min_lr_ratio: final LR of the cosine as a fraction of the peak.
         no_weight_decay: which parameters are not decayed: ``fnmatch`` globs on the names of
@@ -151,6 +174,7 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         warmup_steps: int = 2000,
         min_lr_ratio: float = 0.0,
         no_weight_decay: Optional[list[str]] = None,
+        layer_decay: Union[float, dict[str, float], None] = None,
         tokenizer: Optional[str] = None,
         trim_text_padding: Optional[bool] = None,
         contrastive_chunk_size: Optional[int] = None,
@@ -180,6 +204,7 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         if pretrained is not None and not checkpoint_exists(pretrained):
             raise FileNotFoundError(f"model.pretrained: no checkpoint file at {pretrained!r}")
         check_warmup("model.warmup_steps", warmup_steps)
+        self.layer_decay = check_layer_decay("model.init_args.layer_decay", layer_decay, tuple(CLIP_TOWERS))
         if contrastive_chunk_size is not None and contrastive_chunk_size < 1:
             raise ValueError(f"model.contrastive_chunk_size must be >= 1 (or null), got {contrastive_chunk_size}")
         whole = [n for n, o in built.items() if not o.chunked and o.weight > 0]
@@ -233,6 +258,8 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         # The objectives' host parts (a preset's heads) and what they check of the whole module.
         check_parts(built, self.model, model_name, host=self)
         self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
+        # Each parameter's LR multiplier, by name (decided before wrapping, as the decay groups are).
+        self._lr_scales = layer_scales(self._param_ndim, CLIP_TOWERS, self.layer_decay) if self.layer_decay else None
         unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
         if unmatched:
             rank_zero_warn(f"model.no_weight_decay: {unmatched} match no parameter of {model_name!r}")
@@ -527,7 +554,7 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
             self.model.logit_scale.clamp_(0, math.log(self.logit_scale_max))
 
     def configure_optimizers(self) -> dict:
-        optimizer = self.optimizer(param_groups(self, self.no_weight_decay, self._param_ndim))
+        optimizer = build_optimizer(self.optimizer, self, self.no_weight_decay, self._param_ndim, self._lr_scales)
         total = self.trainer.estimated_stepping_batches
         scheduler = warmup_cosine(optimizer, self.warmup_steps, total, self.min_lr_ratio,
                                   second_phase=self.flip_options.tuning_phase())

@@ -205,6 +205,7 @@ class M3AE(LightningModule):
         self.val_loss = self.val_image_loss + text_loss_weight * self.val_text_loss  # computed from the two
         self.no_weight_decay = list(MAE_NO_DECAY if no_weight_decay is None else no_weight_decay)
         self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
+        self._lr_scales = None  # no layer decay: MAE's configure_optimizers reads it
         unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
         if unmatched:
             raise ValueError(f"model.no_weight_decay: {unmatched} match no parameter of the M3AE")
@@ -391,5 +392,5 @@ class M3AE(LightningModule):
         self.log("val/masked_token_top1", self.val_token_top1)
 
     # MAE main_pretrain.py's AdamW groups, blr x global batch / 256 and per-step warm-up + cosine,
-    # reading the same attributes (optimizer, no_weight_decay, _param_ndim, blr, warmup_steps, ...).
+    # reading the same attributes (optimizer, no_weight_decay, _param_ndim, _lr_scales, blr, ...).
     configure_optimizers = MAE.configure_optimizers

@@ -26,9 +26,11 @@ from mmssl.models.memory import compile_blocks, compile_options, run_blocks
 from mmssl.models.vit import LayerNorm, MaskedViT, init_vit_weights, load_encoder, sincos_pos_embed_2d
 from mmssl.optim import (
     NDIM_LT_2,
+    build_optimizer,
+    check_layer_decay,
     check_warmup,
+    layer_scales,
     lr_from_blr,
-    param_groups,
     record_shapes,
     unmatched_patterns,
     warmup_cosine,
@@ -38,6 +40,8 @@ from mmssl.upstream import attached_trainer
 
 # timm 0.3.2 add_weight_decay, as main_pretrain.py calls it: len(shape) == 1 or name.endswith(".bias").
 MAE_NO_DECAY: tuple[str, ...] = (NDIM_LT_2, "*.bias")
+# The one tower layer decay applies to (the decoder is discarded after pretraining: it keeps 1).
+MAE_TOWERS = {"encoder": ("encoder.*",)}
 
 # facebookresearch/mae models_mae.py names of the decoder's parameters -> MAEDecoder's.
 MAE_DECODER_NAMES = {
@@ -168,7 +172,9 @@ class MAE(LightningModule):
         decoder_num_heads: decoder heads (paper 16).
         mask_ratio: fraction of patches removed, in (0, 1) (paper 0.75).
         norm_pix_loss: per-patch normalised pixel targets (paper's released models: True).
-        optimizer: optimizer factory over parameter groups; weight decay is set there.
+        optimizer: optimizer factory over parameter groups; weight decay is set there. A
+            Muon-family optimizer (``timm.optim.Muon``) takes the encoder's and decoder's block
+            weight matrices, its AdamW fallback the rest (:func:`mmssl.optim.muon_takes`).
         blr: base LR; when set, each group's LR becomes blr x global batch / 256 (MAE sec. A.1).
         warmup_steps: linear warm-up steps (paper: 40 of 800 epochs).
         min_lr_ratio: final LR of the cosine as a fraction of the peak (MAE: 0).
@@ -188,6 +194,9 @@ class MAE(LightningModule):
             activation memory for one more forward of each block; the same gradients.
         compile: ``torch.compile`` the encoder and decoder blocks in place; ``true`` or a dict of
             ``torch.compile`` arguments (``mmssl.models.memory``).
+        layer_decay: layer-wise LR decay of the encoder (BEiT numbering, as ``Classifier``): block
+            N of ``depth`` D at ``decay ** (D - N)`` x the LR, patch embedding and class token at
+            ``decay ** (D + 1)``, the final norm and the whole decoder at 1. ``None``: off.
     """
 
     tokenizer = None  # images only; the CLI links this into the data module
@@ -215,12 +224,14 @@ class MAE(LightningModule):
         no_weight_decay: Optional[list[str]] = None,
         grad_checkpointing: bool = False,
         compile: Union[bool, dict[str, Any]] = False,
+        layer_decay: Optional[float] = None,
     ) -> None:
         super().__init__()
         # Reject a ratio of 0 too: with nothing masked the loss has no targets.
         if not 0.0 < mask_ratio < 1.0:
             raise ValueError(f"mask_ratio must be in (0, 1), got {mask_ratio}")
         check_warmup("model.warmup_steps", warmup_steps)
+        decays = check_layer_decay("model.init_args.layer_decay", layer_decay, tuple(MAE_TOWERS))
         self.save_hyperparameters(ignore=["optimizer"])
         self.image_size = image_size
         self.image_mean = tuple(image_mean)
@@ -240,6 +251,7 @@ class MAE(LightningModule):
         )
         self.no_weight_decay = list(MAE_NO_DECAY if no_weight_decay is None else no_weight_decay)
         self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
+        self._lr_scales = layer_scales(self._param_ndim, MAE_TOWERS, decays) if decays else None
         unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
         if unmatched:
             raise ValueError(f"model.no_weight_decay: {unmatched} match no parameter of the MAE")
@@ -376,14 +388,10 @@ class MAE(LightningModule):
         self.log("val/loss", self.val_loss, prog_bar=True)
 
     def configure_optimizers(self) -> dict:
-        optimizer = self.optimizer(param_groups(self, self.no_weight_decay, self._param_ndim))
         # Estimating the steps loads the train dataloader, which the batch-size fallback reads.
         total_steps = self.trainer.estimated_stepping_batches
-        if self.blr is not None:
-            lr = lr_from_blr(self.blr, self.trainer, type(self).__name__)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-                group["initial_lr"] = lr
+        lr = None if self.blr is None else lr_from_blr(self.blr, self.trainer, type(self).__name__)
+        optimizer = build_optimizer(self.optimizer, self, self.no_weight_decay, self._param_ndim, self._lr_scales, lr)
         scheduler = warmup_cosine(optimizer, self.warmup_steps, total_steps, self.min_lr_ratio)
         schedule = {"scheduler": scheduler, "interval": "step"}
         return {"optimizer": optimizer, "lr_scheduler": schedule}

@@ -1,0 +1,156 @@
+"""Per-tower layer decay and Muon routing (mmssl.optim): the groups of a constructed model whose
+every LR multiplier and router is worked out by hand, the real CLIP and MAE, and the errors."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from timm.optim import Muon
+from torch import nn
+
+from mmssl.errors import ConfigError
+from mmssl.models.clip import CLIP, CLIP_TOWERS
+from mmssl.models.mae import MAE, MAE_TOWERS
+from mmssl.optim import NDIM_LT_2, build_optimizer, layer_scales, param_groups, record_shapes, warmup_cosine
+from tests.tiny import tiny_mae
+
+# An open_clip CLIP's layout in miniature, as the LightningModule names it: image tower of depth 2,
+# text tower of depth 1, and the logit scale in neither.
+SHAPES = {
+    "model.visual.conv1.weight": (8, 3, 2, 2),
+    "model.visual.class_embedding": (8,),
+    "model.visual.positional_embedding": (5, 8),
+    "model.visual.transformer.resblocks.0.mlp.c_fc.weight": (16, 8),
+    "model.visual.transformer.resblocks.0.mlp.c_fc.bias": (16,),
+    "model.visual.transformer.resblocks.1.mlp.c_fc.weight": (16, 8),
+    "model.visual.ln_post.weight": (8,),
+    "model.visual.proj": (8, 4),
+    "model.token_embedding.weight": (10, 8),
+    "model.positional_embedding": (6, 8),
+    "model.transformer.resblocks.0.attn.in_proj_weight": (24, 8),
+    "model.ln_final.weight": (8,),
+    "model.text_projection": (8, 4),
+    "model.logit_scale": (),
+}
+# By hand, image decay 0.5 over depth 2 (stem 0.5^3, block N 0.5^(2-N), top 1) and text decay 0.8
+# over depth 1 (stem 0.8^2, block 0 0.8, top 1).
+SCALES = {
+    "model.visual.conv1.weight": 0.125, "model.visual.class_embedding": 0.125,
+    "model.visual.positional_embedding": 0.125,
+    "model.visual.transformer.resblocks.0.mlp.c_fc.weight": 0.25,
+    "model.visual.transformer.resblocks.0.mlp.c_fc.bias": 0.25,
+    "model.visual.transformer.resblocks.1.mlp.c_fc.weight": 0.5,
+    "model.visual.ln_post.weight": 1.0, "model.visual.proj": 1.0,
+    "model.token_embedding.weight": 0.64, "model.positional_embedding": 0.64,
+    "model.transformer.resblocks.0.attn.in_proj_weight": 0.8,
+    "model.ln_final.weight": 1.0, "model.text_projection": 1.0, "model.logit_scale": 1.0,
+}
+# Muon takes the blocks' weight matrices only; the rest goes to its AdamW fallback.
+MUON = {"model.visual.transformer.resblocks.0.mlp.c_fc.weight", "model.visual.transformer.resblocks.1.mlp.c_fc.weight",
+        "model.transformer.resblocks.0.attn.in_proj_weight"}
+
+
+def _model() -> nn.Module:
+    root = nn.Module()
+    for name, shape in SHAPES.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(torch.randn(shape)))
+    return root
+
+
+def _by_name(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    return {n: group_of[id(p)] for n, p in module.named_parameters()}
+
+
+def test_layer_scales_per_tower_by_hand():
+    assert layer_scales(SHAPES, CLIP_TOWERS, {"image": 0.5, "text": 0.8}) == pytest.approx(SCALES)
+    # Only the image tower decayed: the text tower stays at 1.
+    only_image = layer_scales(SHAPES, CLIP_TOWERS, {"image": 0.5})
+    assert only_image["model.token_embedding.weight"] == 1.0 and only_image["model.visual.proj"] == 1.0
+
+
+def test_muon_groups_lrs_and_routing_by_hand():
+    model = _model()
+    shapes = record_shapes(model)
+    scales = layer_scales(shapes, CLIP_TOWERS, {"image": 0.5, "text": 0.8})
+    muon = functools.partial(Muon, lr=0.1, weight_decay=0.2, fallback_lr_scale=0.01)
+    optimizer = build_optimizer(muon, model, [NDIM_LT_2], shapes, scales)
+    groups = _by_name(model, optimizer)
+    for name, group in groups.items():
+        assert group["lr"] == group["initial_lr"] == pytest.approx(0.1 * SCALES[name]), name
+        assert group.get("use_fallback", False) == (name not in MUON), name
+        assert group["weight_decay"] == (0.0 if len(SHAPES[name]) < 2 else 0.2), name
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    routed = {n: optimizer.state[p]["use_muon"] for n, p in model.named_parameters()}
+    assert {n for n, m in routed.items() if m} == MUON
+    params = dict(model.named_parameters())
+    assert "exp_avg" in optimizer.state[params["model.visual.proj"]]  # the head: AdamW's moments
+    assert "momentum_buffer" in optimizer.state[params["model.transformer.resblocks.0.attn.in_proj_weight"]]
+
+
+
+def test_schedule_multiplies_each_groups_own_peak():
+    model = _model()
+    shapes = record_shapes(model)
+    scales = layer_scales(shapes, CLIP_TOWERS, {"image": 0.5, "text": 0.8})
+    optimizer = build_optimizer(functools.partial(torch.optim.AdamW, lr=1e-2), model, [NDIM_LT_2], shapes, scales)
+    assert not any("use_fallback" in g for g in optimizer.param_groups)  # not a Muon: no router split
+    scheduler = warmup_cosine(optimizer, warmup_steps=2, total_steps=10)
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+    factor = scheduler.lr_lambdas[0](5)
+    for group in optimizer.param_groups:
+        assert group["lr"] == pytest.approx(1e-2 * group["lr_scale"] * factor)
+
+
+def test_without_layer_decay_adamw_keeps_its_two_groups():
+    model = _model()
+    shapes = record_shapes(model)
+    optimizer = build_optimizer(functools.partial(torch.optim.AdamW, lr=1e-3), model, [NDIM_LT_2], shapes)
+    plain = param_groups(model, [NDIM_LT_2], shapes)
+    assert len(optimizer.param_groups) == len(plain) == 2
+    for built, expected in zip(optimizer.param_groups, plain):
+        assert built["params"] == expected["params"] and built["lr"] == 1e-3
+
+
+def test_real_clip_towers(tiny_clip_json):
+    model = CLIP(model_name=tiny_clip_json, layer_decay={"image": 0.5, "text": 0.8})
+    scales = model._lr_scales
+    depth = 1 + max(int(n.split("resblocks.")[1].split(".")[0]) for n in scales if "visual.transformer.resblocks" in n)
+    assert scales["model.visual.conv1.weight"] == pytest.approx(0.5 ** (depth + 1))
+    assert scales[f"model.visual.transformer.resblocks.{depth - 1}.mlp.c_fc.weight"] == pytest.approx(0.5)
+    assert scales["model.token_embedding.weight"] < 1 and scales["model.text_projection"] == 1.0
+    assert scales["model.logit_scale"] == 1.0 and set(scales) == set(model._param_ndim)
+
+
+def test_mae_decays_the_encoder_only():
+    scales = MAE(**tiny_mae(depth=2), layer_decay=0.5)._lr_scales
+    assert scales["encoder.cls_token"] == scales["encoder.patch_embed.proj.weight"] == pytest.approx(0.125)
+    assert scales["encoder.blocks.0.attn.qkv.weight"] == pytest.approx(0.25)
+    assert scales["encoder.blocks.1.attn.qkv.weight"] == pytest.approx(0.5)
+    assert scales["encoder.norm.weight"] == 1.0
+    assert all(s == 1.0 for n, s in scales.items() if n.startswith("decoder."))
+    assert set(MAE_TOWERS) == {"encoder"}
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"image": 1.5}, "model.init_args.layer_decay.image must be in (0, 1], got 1.5"),
+    ({"text": 0.0}, "model.init_args.layer_decay.text must be in (0, 1], got 0.0"),
+    (-0.1, "model.init_args.layer_decay.image must be in (0, 1], got -0.1"),
+    ({"audio": 0.5}, "model.init_args.layer_decay.audio: not a tower of this model (towers: image, text)"),
+])
+def test_bad_layer_decay_fails_at_start_up_naming_the_key(tiny_clip_json, value, message):
+    with pytest.raises(ConfigError) as error:
+        CLIP(model_name=tiny_clip_json, layer_decay=value)
+    assert str(error.value) == message
