@@ -19,10 +19,12 @@ It loads ``meta.pt`` with ``weights_only=False`` and DCP unpickles ``.metadata``
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import secrets
 import shutil
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
@@ -31,6 +33,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from mmssl.checkpoints.async_save import ASYNC_MODES, AsyncSaves, CheckpointWriteError, on_every_rank
 from mmssl.checkpoints.io import (
     OLD,
     PARTIAL,
@@ -61,10 +64,6 @@ from mmssl.upstream import fsdp2_forget_forward_order, fsdp2_lazy_init
 # AVERAGED_WEIGHTS (mmssl.checkpoints.read): the folder entry of an EMA's average, sharded as the
 # parameters; the folder's ``state_dict`` holds the raw weights.
 set_aside_folders = set_aside_paths  # complete checkpoints a kill between two renames left beside a target
-
-
-class CheckpointWriteError(OSError):
-    """A sharded checkpoint could not be completed; raised on every rank, naming the folder."""
 
 
 def remove_stale_partials(path: Path, keep: Optional[Path] = None) -> list[Path]:
@@ -124,6 +123,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         gather_for_evaluation: gather the whole model once per validation / test / predict run, so
             that ranks with uneven held-out shares run their forwards without collectives;
             ``False``: evaluate sharded, and refuse uneven validation shares at start-up.
+        async_mode: ``"async"``: a sharded save blocks the step only while the state is copied;
+            the folder is written in the background and renamed into place once complete
+            (:mod:`mmssl.checkpoints.async_save`); ``"disabled"`` (default): written before the
+            step goes on. torchtitan's key and values.
         process_group_backend, timeout: as for Lightning's strategy (``gloo`` on CPUs).
     """
 
@@ -131,13 +134,18 @@ class FSDP2Strategy(ModelParallelStrategy):
                  save_distributed_checkpoint: bool = True, param_dtype: Optional[str] = None,
                  reduce_dtype: Optional[str] = None, reshard_after_forward: bool = True,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
-                 tensor_parallel_size: Union[Literal["auto"], int] = 1, gather_for_evaluation: bool = True) -> None:
+                 tensor_parallel_size: Union[Literal["auto"], int] = 1, gather_for_evaluation: bool = True,
+                 async_mode: Literal["disabled", "async"] = "disabled") -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.sharded_checkpoints = save_distributed_checkpoint
         self.policy = ShardingPolicy(param_dtype, reduce_dtype, reshard_after_forward)
         self.gather_for_evaluation = gather_for_evaluation
+        if async_mode not in ASYNC_MODES:
+            raise ValueError(f"async_mode={async_mode!r}: one of {', '.join(ASYNC_MODES)}")
+        self.async_mode = async_mode
+        self._async = AsyncSaves(timeout) if async_mode == "async" and save_distributed_checkpoint else None
         self._autocast: Optional[torch.autocast] = None  # open while a mixed-precision run evaluates
 
     # Evaluation: under FSDP2 every forward all-gathers each block, a collective, and held-out
@@ -213,6 +221,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
         import torch.distributed.checkpoint as dcp
 
+        if self._async is not None:
+            self._async.wait()  # one write in flight; the previous one's failure is raised here
         path = Path(self.broadcast(str(filepath))).absolute()
         temp = Path(self.broadcast(str(hidden_name(path, PARTIAL))))
         state = {"state_dict": checkpoint.pop("state_dict")}
@@ -227,37 +237,19 @@ class FSDP2Strategy(ModelParallelStrategy):
         save_id = int(self.broadcast(secrets.randbits(62)))
         state[SAVE_ID] = {f"rank{self.global_rank}": torch.tensor([save_id], dtype=torch.int64)}
         checkpoint[SAVE_ID] = save_id
-        self._on_every_rank(lambda: temp.mkdir(parents=True), f"create {temp.name}", temp, path)
+        on_every_rank(lambda: temp.mkdir(parents=True), f"create {temp.name}", temp, path)
+        if self._async is not None:
+            meta = copy.deepcopy(checkpoint)  # the loops' and callbacks' state as of this step
+            self._async.start(state, temp, path, lambda: self._complete(meta, temp, path))
+            return
         try:
             dcp.save(state, checkpoint_id=temp)  # .metadata written last, by the coordinator
         except BaseException:
             if self.global_rank == 0:
                 shutil.rmtree(temp, ignore_errors=True)
             raise
-        self._on_every_rank(lambda: self._complete(checkpoint, temp, path),
-                            f"write {LIGHTNING_META} or rename the folder", temp, path)
-
-    def _on_every_rank(self, write: Any, what: str, temp: Path, path: Path) -> None:
-        """Run ``write`` on rank 0 and give its outcome to every rank: a failure there (a full disk
-        while ``meta.pt`` is written, a refused rename) raises :class:`CheckpointWriteError` on
-        every rank at once, where the other ranks would otherwise wait at the next collective
-        until the process-group timeout. The broadcast is the collective every rank joins, the
-        failing rank included; rank 0 removes the half-written folder first."""
-        failure: Optional[BaseException] = None
-        if self.global_rank == 0:
-            try:
-                write()
-            except BaseException as err:  # a KeyboardInterrupt too: the other ranks must not wait
-                failure = err
-                shutil.rmtree(temp, ignore_errors=True)
-        message = self.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
-        if message is None:
-            return
-        error = CheckpointWriteError(f"{path}: the sharded checkpoint was not saved: rank 0 could not {what} "
-                                     f"({message}); the previous checkpoint there is unchanged")
-        if failure is not None and not isinstance(failure, Exception):
-            raise failure  # an interrupt stays an interrupt on the rank it reached
-        raise error from failure
+        on_every_rank(lambda: self._complete(checkpoint, temp, path), f"write {LIGHTNING_META} or rename the folder",
+                      temp, path)
 
     def _complete(self, checkpoint: dict[str, Any], temp: Path, path: Path) -> None:
         """Rank 0: ``meta.pt``, every file synced, then the folder renamed to ``path``."""
@@ -274,8 +266,39 @@ class FSDP2Strategy(ModelParallelStrategy):
         replace_path(temp, path)
         remove_stale_partials(path)
 
+    # The background write (async_mode "async"): its failure raised at the next step on every
+    # rank, and waited for at the end of training and at teardown (a failure, an interrupt).
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._async is not None:
+            self._async.raise_if_failed(self.root_device)
+
+    def on_train_end(self) -> None:
+        if self._async is not None:
+            self._async.wait()  # the last checkpoint is in place when fit returns
+        super().on_train_end()
+
+    def teardown(self) -> None:
+        if self._async is not None:
+            try:
+                self._async.close()
+            except Exception as err:  # raised on a failure's way out: said, not raised over it
+                warnings.warn(str(err), stacklevel=1)
+        super().teardown()
+
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Lightning's top-k clean-up: a folder checkpoint is removed whole (rank 0)."""
+        """Lightning's top-k clean-up: a folder checkpoint is removed whole (rank 0); with a write
+        in flight, once that write is in place (the previous best stays until the new one is)."""
+        if self._async is None:
+            self._remove_now(filepath)
+        elif self._async.pending_path == Path(filepath).absolute():
+            self._async.wait()  # every rank removes the same path: not under a write in flight
+            self._remove_now(filepath)
+        else:
+            self._async.after_write(lambda: self._remove_now(filepath))
+
+    def _remove_now(self, filepath: Any) -> None:
         if self.is_global_zero and os.path.isdir(filepath):
             shutil.rmtree(filepath, ignore_errors=True)
         else:
