@@ -144,8 +144,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.gather_for_evaluation = gather_for_evaluation
         if async_mode not in ASYNC_MODES:
             raise ValueError(f"async_mode={async_mode!r}: one of {', '.join(ASYNC_MODES)}")
+        if async_mode == "async" and not save_distributed_checkpoint:
+            raise ValueError("async_mode='async' writes sharded checkpoint folders in the background: it needs "
+                             "save_distributed_checkpoint: true")
         self.async_mode = async_mode
-        self._async = AsyncSaves(timeout) if async_mode == "async" and save_distributed_checkpoint else None
+        self._async = AsyncSaves(timeout) if async_mode == "async" else None
         self._autocast: Optional[torch.autocast] = None  # open while a mixed-precision run evaluates
 
     # Evaluation: under FSDP2 every forward all-gathers each block, a collective, and held-out
@@ -241,6 +244,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._async is not None:
             meta = copy.deepcopy(checkpoint)  # the loops' and callbacks' state as of this step
             self._async.start(state, temp, path, lambda: self._complete(meta, temp, path))
+            if path.name.startswith(HPC_CHECKPOINT):
+                self._async.wait()  # Lightning's SLURM handler requeues the job right after this save
             return
         try:
             dcp.save(state, checkpoint_id=temp)  # .metadata written last, by the coordinator
@@ -366,6 +371,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 
 _FOLDER, _FROM_FOLDER = "sharded_checkpoint_folder", "in the sharded checkpoint folder"
+HPC_CHECKPOINT = "hpc_ckpt_"  # Lightning's preemption saves (hpc_ckpt_N.ckpt), always waited for
 
 
 def _shaped(state: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 
 from mmssl.checkpoints.read import read_checkpoint
@@ -73,6 +74,22 @@ def test_the_save_returns_with_a_copy_and_one_write_is_in_flight(tmp_path, monke
     assert read_checkpoint(str(last))["state_dict"]["w"].tolist() == [101.0] * 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     strategy._async.close()  # what teardown does: the thread released
+
+
+def test_a_preemption_save_is_in_place_when_it_returns(tmp_path):
+    """Lightning's SLURM handler requeues the job right after its ``hpc_ckpt_N.ckpt`` save: that
+    save is waited for. A file checkpoint cannot be written in the background: refused."""
+    from mmssl.checkpoints.sharded import FSDP2Strategy
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    strategy = FSDP2Strategy(async_mode="async")
+    _save(strategy, tmp_path / "hpc_ckpt_1.ckpt", 1, torch.ones(4))
+    assert strategy._async.pending_path is None and inspect_checkpoint(str(tmp_path / "hpc_ckpt_1.ckpt")) == (1, None)
+    strategy._async.close()
+    with pytest.raises(ValueError, match="needs save_distributed_checkpoint: true"):
+        FSDP2Strategy(async_mode="async", save_distributed_checkpoint=False)
+    with pytest.raises(ValueError, match="async_mode='pinned': one of disabled, async"):
+        FSDP2Strategy(async_mode="pinned")
 
 
 _RANK_SAVES = '''
