@@ -74,9 +74,13 @@ def test_readme_ddp_command_finishes_with_validation_on(recipe, val, tmp_path, t
 CALLBACKS = {
     "clip": ["--trainer.callbacks+=mmssl.callbacks.LinearProbe", "--trainer.callbacks.layers=true",
              "--trainer.callbacks.max_train_samples=40",  # the set's first 40: the same on 1 or 2 ranks
-             "--trainer.callbacks+=mmssl.callbacks.KNNProbe", "--trainer.callbacks.max_train_samples=40"],
+             "--trainer.callbacks+=mmssl.callbacks.KNNProbe", "--trainer.callbacks.max_train_samples=40",
+             "--trainer.callbacks+=mmssl.callbacks.DenseProbe", "--trainer.callbacks.train_images=24",
+             "--trainer.callbacks.test_images=7"],  # odd: rank 1 pads its share
     "mae": ["--trainer.callbacks+=mmssl.callbacks.LinearProbe", "--trainer.callbacks.layers=true",
             "--trainer.callbacks+=mmssl.callbacks.KNNProbe",
+            "--trainer.callbacks+=mmssl.callbacks.DenseProbe", "--trainer.callbacks.train_images=24",
+            "--trainer.callbacks.test_images=7",  # odd: rank 1 pads its share
             "--trainer.callbacks+=mmssl.callbacks.Reconstructions", "--trainer.callbacks.every_n_steps=1",
             "--trainer.callbacks.num_images=2"],
     "coca": ["--trainer.callbacks+=mmssl.callbacks.CaptionNaming", "--trainer.callbacks.max_samples=12",
@@ -86,7 +90,7 @@ CALLBACKS = {
 
 @pytest.mark.parametrize("recipe, val", [("clip", "uneven"), ("mae", "one"), ("coca", "uneven"), ("clip_lora", "one")])
 def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, tiny_clip_json, tiny_coca_json):
-    """val/loss, retrieval, zero-shot, linear (per block) and k-NN probes, and the demo configs'
+    """val/loss, retrieval, zero-shot, linear (per block), k-NN and dense probes, and the demo configs'
     label-free health figures (EmbeddingHealth): 2 ranks = 1 process; CoCa's captioning figures
     (token-weighted, so the ranks' different caption lengths cancel) too. With LoRA, every rank
     trains the adapters (and logit_scale) only, their gradients all-reduced to one.
@@ -125,7 +129,8 @@ def test_two_processes_log_the_figures_of_one(recipe, val, tmp_path, tiny_demo, 
         figures.append(last_metrics(folder / "runs" / "version_0", ("val/", "probe/", "health/")))
     one, two = figures
     expected = {"val/loss", "health/rankme", "health/alignment", "health/uniformity"}
-    expected |= {"probe/linear_top1", "probe/linear_top1_block1", "probe/knn_top1"} if recipe != "coca" else set()
+    expected |= {"probe/linear_top1", "probe/linear_top1_block1", "probe/knn_top1", "probe/dense_miou",
+                 "probe/dense_patch_accuracy"} if recipe != "coca" else set()
     expected |= {"val/zero_shot_top1", "val/i2t_R@1", "val/t2i_R@10", "health/modality_gap",
                  "health/logit_scale"} if recipe != "mae" else set()
     expected |= {"val/caption_loss", "val/caption_token_top1", "val/contrastive_loss",

@@ -1,6 +1,7 @@
 """Evaluation and reporting callbacks, composed onto any model through YAML."""
 
 from mmssl.callbacks.captions import CaptionNaming
+from mmssl.callbacks.dense_probe import DenseProbe
 from mmssl.callbacks.ema import EMA
 from mmssl.callbacks.guards import EvaluationBufferSync, NonFiniteGuard
 from mmssl.callbacks.health import EmbeddingHealth
@@ -16,6 +17,7 @@ from mmssl.callbacks.zero_shot import ZeroShot
 
 __all__ = [
     "CaptionNaming",
+    "DenseProbe",
     "EMA",
     "EmbeddingHealth",
     "EmbeddingProjector",

@@ -100,3 +100,29 @@ def run_tool_main(argv: list[str]) -> int:
 
     return runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "dense_probe.py"),
                           run_name="not_main")["main"](argv)
+
+
+@pytest.mark.parametrize("kind", ["CLIP", "MAE"])
+def test_the_callback_logs_the_tools_figures_for_the_same_checkpoint(kind, checkpoints, tmp_path, monkeypatch):
+    """docs/evaluation.md: DenseProbe with the tool's counts, seed and fit settings gives its figures."""
+    import contextlib
+    import types
+
+    import torch
+
+    from mmssl.callbacks import DenseProbe
+    from mmssl.evaluation.encoders import load_encoder
+
+    out = tmp_path / "dense.json"
+    assert run_tool("dense_probe.py", ["--ckpt", checkpoints[kind], "--train-images", "16", "--test-images", "8",
+                                       "--seed", "3", "--max-iter", "60", "--output-json", str(out)], monkeypatch) == 0
+    report = json.loads(out.read_text())
+    model = load_encoder(checkpoints[kind], None, None, None, False)
+    trainer = types.SimpleNamespace(world_size=1, global_rank=0,
+                                    precision_plugin=types.SimpleNamespace(forward_context=contextlib.nullcontext))
+    if not hasattr(model, "device"):  # a LightningModule has it; load_encoder may give a plain module
+        model.device = torch.device("cpu")
+    scores = DenseProbe(train_images=16, test_images=8, seed=3, max_iter=60).evaluate(trainer, model)
+    assert scores["miou"] == pytest.approx(report["miou"], abs=1e-9)
+    assert scores["patch_accuracy"] == pytest.approx(report["patch_accuracy"], abs=1e-9)
+    assert scores["per_class_iou"] == pytest.approx(report["per_class_iou"])
