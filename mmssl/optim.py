@@ -78,13 +78,16 @@ def excluded_from_decay(name: str, ndim: int, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns if p != NDIM_LT_2)
 
 
-# A transformer block's parameters: open_clip's ``transformer.resblocks.N``, timm's and MAE's
-# ``blocks.N``, Hugging Face's ``layer.N``: the unit of layer-wise decay and Muon's hidden matrices.
-BLOCK = re.compile(r"\.(?:resblocks|blocks|layers?)\.(\d+)\.")
+# A transformer block's parameters: open_clip's ``transformer.resblocks.N`` (and a CoCa decoder's
+# ``cross_attn.N``), timm's and MAE's ``blocks.N``, Hugging Face's ``layer.N``: the unit of layer-wise
+# decay and where Muon's hidden matrices live.
+BLOCK = re.compile(r"\.(?:resblocks|blocks|layers?|cross_attn)\.(\d+)\.")
 # A tower's parameters before its first block (layer 0): patch / token / position embeddings, the
-# class and register tokens, the pre-norm. Any other parameter outside the blocks (final norm,
-# projection, pooler, head) is the tower's top layer. MAE util/lr_decay.py ``get_layer_id_for_vit``.
-STEM = ("*embed*", "*conv1.*", "*ln_pre.*", "*cls_token", "*reg_token", "*norm_pre.*", "*patchnorm_pre_ln.*")
+# class and register tokens (CoCa's ``cls_emb``), the pre-norm. Any other parameter outside the
+# blocks (final norm, projection, pooler, head) is the tower's top layer. MAE util/lr_decay.py
+# ``get_layer_id_for_vit``.
+STEM = ("*embed*", "*cls_emb", "*conv1.*", "*ln_pre.*", "*cls_token", "*reg_token", "*norm_pre.*",
+        "*patchnorm_pre_ln.*")
 
 
 def tower_depth(names: Iterable[str]) -> int:

@@ -154,3 +154,16 @@ def test_bad_layer_decay_fails_at_start_up_naming_the_key(tiny_clip_json, value,
     with pytest.raises(ConfigError) as error:
         CLIP(model_name=tiny_clip_json, layer_decay=value)
     assert str(error.value) == message
+
+
+def test_coca_decoder_blocks_go_to_muon_and_its_projection_to_adamw(tiny_coca_json):
+    from mmssl.optim import muon_takes
+
+    model = CLIP(model_name=tiny_coca_json, loss="siglip", objectives={"caption": {}}, layer_decay=0.5)
+    decoder = {n: muon_takes(n, d) for n, d in model._param_ndim.items() if n.startswith("model.text_decoder.")}
+    assert decoder["model.text_decoder.cross_attn.0.attn.in_proj_weight"]
+    assert decoder["model.text_decoder.resblocks.0.mlp.c_fc.weight"]
+    assert not decoder["model.text_decoder.text_projection"]
+    assert all(model._lr_scales[n] == 1.0 for n in decoder)  # in no tower: not decayed
+    # CoCa's text class token (cls_emb) is the text tower's stem: 0.5 ** (depth 1 + 1).
+    assert model._lr_scales["model.text.cls_emb"] == pytest.approx(0.25)
