@@ -133,3 +133,28 @@ def test_bad_settings_and_models_without_patch_tokens_fail_at_start_with_one_lin
     with pytest.raises(ValueError, match="the demo scenes are square"):
         DenseProbe().setup(trainer, rectangular, "fit")
     DenseProbe().setup(types.SimpleNamespace(limit_val_batches=0), pl.LightningModule(), "fit")  # no validation
+
+
+def test_it_logs_its_figures_at_validation_end_and_not_in_the_sanity_check():
+    logged = {}
+
+    class Logging(Oracle):
+        def log(self, name, value, **kwargs):
+            logged[name] = (value, kwargs)
+
+    model = Logging(_scenes(24, 6), constant=True)  # the majority floor: mIoU and accuracy differ
+    state = types.SimpleNamespace(fn="fit")
+    trainer = types.SimpleNamespace(**vars(_trainer()), sanity_checking=True, state=state, current_epoch=0)
+    probe = DenseProbe(train_images=24, test_images=6)
+    probe.on_validation_epoch_end(trainer, model)
+    assert logged == {} and model.calls == 0
+    trainer.sanity_checking = False
+    probe.on_validation_epoch_end(trainer, model)
+    expected = probe.evaluate(_trainer(), Oracle(_scenes(24, 6), constant=True))
+    assert expected["miou"] < 0.5 < expected["patch_accuracy"]
+    assert logged["probe/dense_miou"] == (pytest.approx(expected["miou"]), {"sync_dist": True})
+    assert logged["probe/dense_patch_accuracy"] == (pytest.approx(expected["patch_accuracy"]), {"sync_dist": True})
+    logged.clear()
+    probe.every_n_epochs = 2  # epoch 0 is the first of two: not its turn
+    probe.on_validation_epoch_end(trainer, model)
+    assert logged == {}
