@@ -14,7 +14,9 @@ It loads ``meta.pt`` with ``weights_only=False`` and DCP unpickles ``.metadata``
 - a folder is read through :func:`mmssl.checkpoints.read.load_dcp` (metadata types only,
   ``weights_only=True`` for every entry, every shard checked) and ``meta.pt`` through the one
   reader; a file checkpoint (a DDP run's) through the one reader too, then Lightning's own
-  loading (which broadcasts and shards it): resume across strategies either way.
+  loading (which broadcasts and shards it): resume across strategies either way;
+- ``async_mode="async"``: the same folder written in the background, the step blocked only while
+  the state is copied (:mod:`mmssl.checkpoints.async_save`).
 """
 
 from __future__ import annotations
