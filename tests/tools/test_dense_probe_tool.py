@@ -114,15 +114,16 @@ def test_the_callback_logs_the_tools_figures_for_the_same_checkpoint(kind, check
     from mmssl.evaluation.encoders import load_encoder
 
     out = tmp_path / "dense.json"
-    assert run_tool("dense_probe.py", ["--ckpt", checkpoints[kind], "--train-images", "16", "--test-images", "8",
-                                       "--seed", "3", "--max-iter", "60", "--output-json", str(out)], monkeypatch) == 0
+    argv = ["--ckpt", checkpoints[kind], "--train-images", "16", "--test-images", "8", "--seed", "3",
+            "--max-iter", "60", "--weight-decay", "0.01", "--output-json", str(out)]
+    assert run_tool("dense_probe.py", argv, monkeypatch) == 0
     report = json.loads(out.read_text())
     model = load_encoder(checkpoints[kind], None, None, None, False)
     trainer = types.SimpleNamespace(world_size=1, global_rank=0,
                                     precision_plugin=types.SimpleNamespace(forward_context=contextlib.nullcontext))
     if not hasattr(model, "device"):  # a LightningModule has it; load_encoder may give a plain module
         model.device = torch.device("cpu")
-    scores = DenseProbe(train_images=16, test_images=8, seed=3, max_iter=60).evaluate(trainer, model)
+    scores = DenseProbe(train_images=16, test_images=8, seed=3, max_iter=60, weight_decay=0.01).evaluate(trainer, model)
     assert scores["miou"] == pytest.approx(report["miou"], abs=1e-9)
     assert scores["patch_accuracy"] == pytest.approx(report["patch_accuracy"], abs=1e-9)
     assert scores["per_class_iou"] == pytest.approx(report["per_class_iou"])
