@@ -167,3 +167,47 @@ def test_coca_decoder_blocks_go_to_muon_and_its_projection_to_adamw(tiny_coca_js
     assert all(model._lr_scales[n] == 1.0 for n in decoder)  # in no tower: not decayed
     # CoCa's text class token (cls_emb) is the text tower's stem: 0.5 ** (depth 1 + 1).
     assert model._lr_scales["model.text.cls_emb"] == pytest.approx(0.25)
+
+
+def test_layer_decay_bounds_and_types():
+    from mmssl.optim import check_layer_decay
+
+    # 1 is in (0, 1] (no decay), and a float applies to every tower.
+    assert check_layer_decay("k", 1.0, ("image", "text")) == {"image": 1.0, "text": 1.0}
+    assert check_layer_decay("k", {"text": 0.5}, ("image", "text")) == {"text": 0.5}
+    assert check_layer_decay("k", None, ("image", "text")) == {}
+    # A YAML `true` is not the number 1.
+    with pytest.raises(ConfigError, match=r"k\.image must be in \(0, 1\], got True"):
+        check_layer_decay("k", True, ("image", "text"))
+
+
+def test_decaying_a_tower_without_blocks_fails_naming_it():
+    towers = {"image": ["model.visual.*"], "head": ["model.text_projection"]}
+    with pytest.raises(ConfigError, match=r"^key\.head: the head tower has no numbered blocks to decay$"):
+        layer_scales(SHAPES, towers, {"image": 0.5, "head": 0.5}, key="key")
+    # A decay of 1 there is harmless: every scale stays 1.
+    assert layer_scales(SHAPES, towers, {"head": 1.0})["model.text_projection"] == 1.0
+
+
+def test_explicit_peak_lr_overrides_the_optimizers_own():
+    model = _model()
+    shapes = record_shapes(model)
+    scales = layer_scales(shapes, CLIP_TOWERS, {"image": 0.5, "text": 0.8})
+    optimizer = build_optimizer(functools.partial(torch.optim.AdamW, lr=1.0), model, [NDIM_LT_2], shapes, scales,
+                                lr=0.04)
+    for name, group in _by_name(model, optimizer).items():
+        assert group["lr"] == group["initial_lr"] == pytest.approx(0.04 * SCALES[name]), name
+
+
+def test_muon_routing_reads_recorded_shapes_not_flattened_shards():
+    # FSDP (use_orig_params) hands the optimizer flat 1-D shards: routing must follow the shapes as built.
+    model = _model()
+    shapes = record_shapes(model)
+    for name, param in list(model.named_parameters()):
+        *path, leaf = name.split(".")
+        owner = model.get_submodule(".".join(path))
+        setattr(owner, leaf, nn.Parameter(param.detach().flatten()))
+    groups = param_groups(model, [NDIM_LT_2], shapes, hybrid=True)
+    group_of = {id(p): g for g in groups for p in g["params"]}
+    muon = {n for n, p in model.named_parameters() if not group_of[id(p)].get("use_fallback", False)}
+    assert muon == MUON
