@@ -129,6 +129,7 @@ def test_real_clip_towers(tiny_clip_json):
     scales = model._lr_scales
     depth = 1 + max(int(n.split("resblocks.")[1].split(".")[0]) for n in scales if "visual.transformer.resblocks" in n)
     assert scales["model.visual.conv1.weight"] == pytest.approx(0.5 ** (depth + 1))
+    assert scales["model.visual.ln_pre.weight"] == pytest.approx(0.5 ** (depth + 1))  # the pre-norm: stem
     assert scales[f"model.visual.transformer.resblocks.{depth - 1}.mlp.c_fc.weight"] == pytest.approx(0.5)
     assert scales["model.token_embedding.weight"] < 1 and scales["model.text_projection"] == 1.0
     assert scales["model.logit_scale"] == 1.0 and set(scales) == set(model._param_ndim)
@@ -211,3 +212,23 @@ def test_muon_routing_reads_recorded_shapes_not_flattened_shards():
     group_of = {id(p): g for g in groups for p in g["params"]}
     muon = {n for n, p in model.named_parameters() if not group_of[id(p)].get("use_fallback", False)}
     assert muon == MUON
+
+
+def test_group_order_decayed_first_then_highest_scale_first():
+    # The first parameter is a norm gain (no decay), yet the decayed group still comes first: the
+    # order of the groups before layer decay existed, which a resumed AdamW checkpoint's groups follow.
+    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))
+    shapes = record_shapes(model)
+    plain = param_groups(model, [NDIM_LT_2], shapes)
+    assert [g.get("weight_decay") for g in plain] == [None, 0.0]
+    assert plain[0]["params"] == [model[1].weight]
+    scaled = param_groups(model, [NDIM_LT_2], shapes, lr_scales={"0.weight": 0.5, "0.bias": 0.5,
+                                                                   "1.weight": 1.0, "1.bias": 0.25})
+    assert [(g["lr_scale"], g.get("weight_decay")) for g in scaled] == [(1.0, None), (0.5, 0.0), (0.25, 0.0)]
+
+
+def test_without_the_shape_rule_only_the_patterns_escape_decay():
+    model = nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))
+    groups = param_groups(model, ["*bias"], record_shapes(model))
+    assert groups[0]["params"] == [model[0].weight, model[1].weight]  # the 1-D norm gain decayed
+    assert groups[1]["params"] == [model[0].bias, model[1].bias] and groups[1]["weight_decay"] == 0.0
