@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import types
 from copy import deepcopy
-from typing import Any, Literal, Optional
+from typing import Any, Iterator, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -174,6 +175,16 @@ class EMA(WeightAveraging):
         self._decay_now = ema_decay(self.decay, trainer.global_step - 1, self.warmup_power, self.warmup_gamma)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
+    def _swap_models(self, pl_module: pl.LightningModule) -> None:
+        """WeightAveraging's swap of the average and the model, their tensors paired by name (:func:`_pairs`)."""
+        _exchange(_pairs(weight_averaging_model(self).module, pl_module))
+
+    @torch.no_grad()
+    def _copy_average_to_current(self, pl_module: pl.LightningModule) -> None:
+        """WeightAveraging's end of ``fit``: the averaged weights into the model, paired by name."""
+        for a, c in _pairs(weight_averaging_model(self).module, pl_module):
+            _local(c).copy_(_local(a))
+
     def averaged_module(self) -> Optional[pl.LightningModule]:
         """The module holding the averaged weights (``None`` before ``fit`` / ``validate`` set it up)."""
         average = weight_averaging_model(self)
@@ -199,8 +210,8 @@ class EMA(WeightAveraging):
                 pl_module.configure_model()
             # AveragedModel's own deepcopy would copy the device mesh and LightningCLI's optimizer
             # factory (both hold locks): the copy is made by _copy and given to it.
-            average = AveragedModel(nn.Identity(), device=pl_module.device, use_buffers=True,
-                                    multi_avg_fn=self.update_average)
+            average = _AveragedByName(nn.Identity(), device=pl_module.device, use_buffers=True,
+                                      multi_avg_fn=self.update_average)
             set_averaged_module(average, _copy(pl_module, trainer).to(pl_module.device))
             set_weight_averaging_model(self, average)
             self._prepare(average.module, trainer, pl_module)
@@ -411,10 +422,39 @@ def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def _named(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    return itertools.chain(module.named_parameters(), module.named_buffers())
+
+
 def _pairs(average: nn.Module, model: nn.Module) -> list[tuple[Tensor, Tensor]]:
-    """The average's parameters and buffers beside the model's, in the order AveragedModel pairs them."""
-    return list(zip(itertools.chain(average.parameters(), average.buffers()),
-                    itertools.chain(model.parameters(), model.buffers())))
+    """The average's parameters and buffers beside the model's of the same name, in the average's order.
+
+    By name, not by position as torch's ``AveragedModel`` and Lightning's ``WeightAveraging`` pair
+    them: a module may re-register a parameter after it is built, which moves it in its module's
+    order (peft >= 0.22's LoRA on ``nn.MultiheadAttention`` re-registers ``in_proj_weight`` at every
+    forward), and pairing by position then averages one tensor into another.
+    """
+    theirs = dict(_named(model))
+    pairs = []
+    for name, tensor in _named(average):
+        if name not in theirs:
+            raise ValueError(f"EMA: the model has no tensor {name!r} that its average has")
+        pairs.append((tensor, theirs[name]))
+    return pairs
+
+
+class _AveragedByName(AveragedModel):
+    """torch's ``AveragedModel`` whose update pairs the model's tensors with the average's by name
+    (:func:`_pairs`); the averaging itself (``multi_avg_fn``, the first copy, the count) is torch's."""
+
+    def update_parameters(self, model: nn.Module) -> None:
+        pairs = _pairs(self.module, model)
+        in_order = types.SimpleNamespace(parameters=lambda: iter([c for _, c in pairs[:self._params()]]),
+                                         buffers=lambda: iter([c for _, c in pairs[self._params():]]))
+        super().update_parameters(in_order)
+
+    def _params(self) -> int:
+        return sum(1 for _ in self.module.parameters())
 
 
 @torch.no_grad()
