@@ -30,6 +30,7 @@ from mmssl.evaluation.dense import (
     extract_patch_tokens,
     patch_labels,
     segmentation_scores,
+    square_side,
 )
 from mmssl.evaluation.encoders import add_checkpoint_arguments, load_encoder
 from mmssl.evaluation.offline import format_table
@@ -63,16 +64,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     return run("dense_probe", lambda: _report(args))
 
 
-def _image_side(model: torch.nn.Module) -> int:
-    size = getattr(model, "image_size", None)
-    side = size if isinstance(size, int) else tuple(size or ())
-    if isinstance(side, tuple):
-        if len(side) != 2 or side[0] != side[1]:
-            raise ValueError(f"{type(model).__name__} takes {size} images: the demo scenes are square")
-        side = int(side[0])
-    return side
-
-
 def _report(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     model = load_encoder(args.ckpt, args.model, args.model_kwargs, args.model_class, args.ema)
@@ -80,7 +71,7 @@ def _report(args: argparse.Namespace) -> None:
     if not hasattr(model, "forward_features"):
         raise ValueError(f"{name} gives no patch tokens (no forward_features): the dense probe needs a ViT image "
                          "tower's tokens (an mmssl checkpoint, a timm model or folder)")
-    side = _image_side(model)
+    side = square_side(model)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     sets = {}

@@ -27,18 +27,23 @@ import torch
 from torch import Tensor
 
 from mmssl.data.demo import DENSE_CLASSES, dense_demo_set
-from mmssl.evaluation.dense import confusion_matrix, extract_patch_tokens, patch_labels, segmentation_scores
+from mmssl.evaluation.dense import (
+    confusion_matrix,
+    extract_patch_tokens,
+    patch_labels,
+    segmentation_scores,
+    square_side,
+)
 from mmssl.evaluation.linear import fit_linear
 from mmssl.evaluation.online import should_run, will_evaluate
 
 
 def _side(pl_module: pl.LightningModule) -> int:
-    """The model's square input side, or a one-line error naming the model."""
-    size = getattr(pl_module, "image_size", None)
-    sides = (size, size) if isinstance(size, int) else tuple(size or ())
-    if len(sides) != 2 or sides[0] != sides[1] or not isinstance(sides[0], int):
-        raise ValueError(f"DenseProbe: {type(pl_module).__name__} takes {size!r} images; the demo scenes are square")
-    return int(sides[0])
+    """The model's square input side, or a one-line error naming the callback and the model."""
+    try:
+        return square_side(pl_module)
+    except ValueError as err:
+        raise ValueError(f"DenseProbe: {err}") from None
 
 
 class DenseProbe(pl.Callback):

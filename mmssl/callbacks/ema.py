@@ -448,13 +448,10 @@ class _AveragedByName(AveragedModel):
     (:func:`_pairs`); the averaging itself (``multi_avg_fn``, the first copy, the count) is torch's."""
 
     def update_parameters(self, model: nn.Module) -> None:
-        pairs = _pairs(self.module, model)
-        in_order = types.SimpleNamespace(parameters=lambda: iter([c for _, c in pairs[:self._params()]]),
-                                         buffers=lambda: iter([c for _, c in pairs[self._params():]]))
+        theirs = [c for _, c in _pairs(self.module, model)]  # in the average's order: parameters, then buffers
+        split = sum(1 for _ in self.module.parameters())
+        in_order = types.SimpleNamespace(parameters=lambda: iter(theirs[:split]), buffers=lambda: iter(theirs[split:]))
         super().update_parameters(in_order)
-
-    def _params(self) -> int:
-        return sum(1 for _ in self.module.parameters())
 
 
 @torch.no_grad()

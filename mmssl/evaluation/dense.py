@@ -17,6 +17,7 @@ CoCa too) and ImageClassifier, and timm files and folders through
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -69,6 +70,22 @@ def grid_side(num_patches: int) -> int:
     if side * side != num_patches or side == 0:
         raise ValueError(f"{num_patches} patch tokens form no square grid (a square image gives g x g patches)")
     return side
+
+
+def square_side(model: nn.Module) -> int:
+    """The side of the square images ``model`` takes (its ``image_size``: an int or a pair).
+
+    Raises:
+        ValueError: a model of non-square (or unknown) input size: the demo scenes are square.
+    """
+    size = getattr(model, "image_size", None)
+    sides = (size, size) if isinstance(size, int) else tuple(size or ())
+    if len(sides) == 2 and sides[0] == sides[1]:
+        try:
+            return operator.index(sides[0])
+        except TypeError:
+            pass
+    raise ValueError(f"{type(model).__name__} takes {size!r} images: the demo scenes are square")
 
 
 def patch_tokens(model: nn.Module, images: Tensor) -> Tensor:
