@@ -161,13 +161,35 @@ def test_legacy_run_validates_to_the_same_figures_and_resumes_to_the_same_weight
     last = tmp_path / "fit" / "version_0" / "checkpoints" / "last.ckpt"
     resumed = torch.load(last, weights_only=True)
     assert resumed["global_step"] == 4
-    _same_embeddings(str(last), expected, prefix="resumed_")
+    if name == "lora" and _other_peft():
+        # The loaded adapters are converted to the installed peft and embed as trained (the tests
+        # above), but a step under another peft is another step: peft before 0.22 added out_proj's
+        # update twice in the forward while back-propagating through one of the two (huggingface/peft
+        # PR #3774), so the same gradient now moves a doubled lora_B. Resumes under one peft stay
+        # bit-exact (tests/models/test_lora.py, tests/callbacks/test_ema.py train under the installed one).
+        # So here: it resumed and trained (the step and keys, below); the conversion on resume is
+        # tested through the module's hook in tests/models/test_lora_peft_versions.py.
+        saved_b = torch.load(ckpt, weights_only=True)["state_dict"][_OUT_PROJ_B]
+        assert not torch.equal(resumed["state_dict"][_OUT_PROJ_B], saved_b)
+    else:
+        _same_embeddings(str(last), expected, prefix="resumed_")
     assert any(not torch.equal(expected[k], expected["resumed_" + k]) for k in ("image", "text") if k in expected)
     if Path(ckpt).is_file():
         saved = torch.load(ckpt, weights_only=True)
         assert resumed["state_dict"].keys() == saved["state_dict"].keys()
         assert [len(g["params"]) for g in resumed["optimizer_states"][0]["param_groups"]] == \
             [len(g["params"]) for g in saved["optimizer_states"][0]["param_groups"]]
+
+
+_OUT_PROJ_B = "model.visual.transformer.resblocks.0.attn.base_layer.out_proj.lora_B.default.weight"
+
+
+def _other_peft() -> bool:
+    """Whether the installed peft applies a MultiheadAttention's out_proj update another number of
+    times than the peft below 0.22 the LoRA fixture was written under (mmssl.models.lora)."""
+    from mmssl.models.lora import installed_peft, out_proj_applications
+
+    return out_proj_applications(installed_peft()) != 2
 
 
 EXPORTS = [(name, fmt) for name in NAMES for fmt in _formats(name)[:1 if name in VARIANTS else None]]

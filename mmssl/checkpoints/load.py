@@ -22,7 +22,7 @@ from mmssl.checkpoints.model_file import (
     read_lightning,
     rebuild_args,
 )
-from mmssl.models.lora import LORA_BASE, check_base, load_trained_state
+from mmssl.models.lora import LORA_BASE, check_base, load_trained_state, match_installed_peft
 
 __all__ = ["build_from_args", "build_module", "checkpoint_kind", "load_lightning", "model_class_names", "module_class",
            "open_clip_module", "read_lightning"]
@@ -59,6 +59,7 @@ def build_module(path: str, checkpoint: dict[str, Any], kind: ModelKind) -> pl.L
     base = check_base(checkpoint[LORA_BASE], path) if checkpoint.get(LORA_BASE) else {}
     module = cls(**rebuild_args(kind, args, init_parameters(cls), base))
     if base:
+        match_installed_peft(module, checkpoint, path)  # adapters written under another peft
         load_trained_state(module, checkpoint["state_dict"], path)
     else:
         module.load_state_dict(checkpoint["state_dict"])

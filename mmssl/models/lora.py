@@ -21,6 +21,12 @@ A LoRA checkpoint holds only what trains, plus the base it was trained on as ``l
 one, naming it) and then loads the adapters; :func:`merge_lora` folds them into the weights for
 every export, so the exported files need no peft.
 
+A LoRA checkpoint also records the peft it trained under (``lora_peft``): peft before 0.22 applied
+a ``nn.MultiheadAttention``'s ``out_proj`` update twice (its forward and ``merge`` made W + 2 dW;
+huggingface/peft PR #3774), 0.22 once, so the same adapter tensors are another model under another
+peft. Every load converts (:func:`match_installed_peft`: ``out_proj``'s ``lora_B`` scaled by the
+ratio) so the model computes what it trained as, whichever peft is installed.
+
 peft is the ``lora`` extra (``pip install -e '.[lora]'``), imported only when LoRA is asked for.
 """
 
@@ -38,6 +44,8 @@ from torch import nn
 
 # The checkpoint entry naming the base files (a top-level key beside "state_dict").
 LORA_BASE = "lora_base"
+# The checkpoint entry naming the peft version the adapters trained under (see the module docstring).
+LORA_PEFT = "lora_peft"
 OPEN_CLIP_TARGETS = ("attn", "c_fc", "c_proj")
 TIMM_VIT_TARGETS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules", "towers", "trainable")
@@ -224,6 +232,64 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+def out_proj_applications(version: str) -> int:
+    """How many times peft ``version``'s LoRA on a ``nn.MultiheadAttention`` applies ``out_proj``'s
+    update in the forward and in ``merge``: 2 before 0.22 (W + 2 dW, huggingface/peft PR #3774), then 1."""
+    from packaging.version import Version
+
+    return 2 if Version(version).release < (0, 22) else 1
+
+
+def installed_peft() -> str:
+    """The installed peft's version (the ``lora`` extra)."""
+    import peft
+
+    return peft.__version__
+
+
+def mha_out_proj_lora_b(module: nn.Module) -> list[str]:
+    """State-dict names of the ``lora_B`` tensors of every LoRA-adapted ``nn.MultiheadAttention``'s
+    ``out_proj`` in ``module`` (the tensors whose meaning changed with peft 0.22)."""
+    from peft.tuners.lora.layer import MultiheadAttention as LoraMHA
+
+    return [f"{name}.base_layer.out_proj.{p}" for name, m in module.named_modules() if isinstance(m, LoraMHA)
+            for p, _ in m.base_layer.out_proj.named_parameters() if p.startswith("lora_B.")]
+
+
+def match_installed_peft(module: nn.Module, checkpoint: dict[str, Any], where: str,
+                         installed: Optional[str] = None) -> None:
+    """Convert a LoRA checkpoint's adapters, in place, for the installed peft (``installed``: for tests).
+
+    peft before 0.22 applied a ``nn.MultiheadAttention``'s ``out_proj`` update twice, 0.22 once,
+    so ``out_proj``'s ``lora_B`` (the update is linear in it) is scaled by recorded / installed
+    applications in every weight entry of ``checkpoint`` that holds it (``state_dict``, an EMA's
+    averaged and raw weights). A checkpoint without ``lora_peft`` was written before mmssl recorded
+    it, when the ``lora`` extra held peft below 0.22: it counts as 2. The checkpoint then records
+    the installed peft, so a second call changes nothing. Warns once, naming ``where``, when it scales.
+    """
+    if not checkpoint.get(LORA_BASE):
+        return
+    installed = installed or installed_peft()
+    recorded = checkpoint.get(LORA_PEFT)
+    factor = (out_proj_applications(recorded) if recorded else 2) / out_proj_applications(installed)
+    if factor != 1:
+        names = mha_out_proj_lora_b(module)
+        for entry in checkpoint.values():
+            if isinstance(entry, dict):
+                for name in names:
+                    if isinstance(entry.get(name), torch.Tensor):
+                        entry[name] = entry[name] * factor
+        if names:
+            import warnings
+
+            now = out_proj_applications(installed)
+            warnings.warn(f"{where}: LoRA adapters trained under peft {recorded or 'below 0.22 (not recorded)'}, "
+                          f"which applied a MultiheadAttention's out_proj update {int(factor * now)} time(s); "
+                          f"peft {installed} applies it {now}: out_proj's lora_B scaled by {factor:g} so the model "
+                          "computes what it trained as", stacklevel=2)
+    checkpoint[LORA_PEFT] = installed
+
+
 def has_lora(model: nn.Module) -> bool:
     """Whether ``model`` holds peft adapters."""
     return any("lora_A" in name for name, _ in model.named_parameters())
@@ -320,6 +386,7 @@ class LoraCheckpoint:
             keep = set(trainable_keys(self))  # type: ignore[arg-type]
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
             checkpoint[LORA_BASE] = self.lora_base
+            checkpoint[LORA_PEFT] = installed_peft()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
@@ -329,6 +396,8 @@ class LoraCheckpoint:
             if {a: r.get("sha256") for a, r in recorded.items()} != ours:
                 raise ValueError(f"resuming a LoRA run on another base: the checkpoint was trained on {recorded}, "
                                  f"this run's base files are {self.lora_base}")
+            # Before the weights and an EMA's average are loaded (the module's hook runs first).
+            match_installed_peft(self, checkpoint, "the resumed checkpoint")  # type: ignore[arg-type]
             own = set(trainable_keys(self))  # type: ignore[arg-type]
             missing = sorted(own - set(checkpoint["state_dict"]))
             if missing:
@@ -376,8 +445,9 @@ TIMM_TOWERS: dict[str, Tower] = {"image": Tower("", TIMM_VIT_TARGETS)}
 CLIP_TRAINABLE = ("logit_scale", "logit_bias")
 CLASSIFIER_TRAINABLE = ("head.*", "fc_norm.*")
 
-__all__ = ["CLASSIFIER_TRAINABLE", "CLIP_TRAINABLE", "LORA_BASE", "LoraCheckpoint", "LoraSpec",
+__all__ = ["CLASSIFIER_TRAINABLE", "CLIP_TRAINABLE", "LORA_BASE", "LORA_PEFT", "LoraCheckpoint", "LoraSpec",
            "TIMM_TOWERS", "Tower", "adaptable_modules", "base_reference", "check_base", "clip_towers",
-           "enable_lora", "has_lora", "inject_lora", "load_trained_state", "merge_lora", "parse_lora",
-           "resolve_targets", "sha256_file", "trainable_keys"]
+           "enable_lora", "has_lora", "inject_lora", "installed_peft", "load_trained_state", "match_installed_peft",
+           "merge_lora", "mha_out_proj_lora_b", "out_proj_applications", "parse_lora", "resolve_targets",
+           "sha256_file", "trainable_keys"]
 
