@@ -87,7 +87,7 @@ BLOCK = re.compile(r"\.(?:resblocks|blocks|layers?|cross_attn)\.(\d+)\.")
 # blocks (final norm, projection, pooler, head) is the tower's top layer. MAE util/lr_decay.py
 # ``get_layer_id_for_vit``.
 STEM = ("*embed*", "*cls_emb", "*conv1.*", "*ln_pre.*", "*cls_token", "*reg_token", "*norm_pre.*",
-        "*patchnorm_pre_ln.*")
+        "*patchnorm_pre_ln.*", "*image_type", "*text_type")  # the last two: M3AE's modality embeddings
 
 
 def tower_depth(names: Iterable[str]) -> int:

@@ -37,7 +37,7 @@ from mmssl.models.token_masking import (
     random_token_masking,
 )
 from mmssl.models.vit import MaskedViT
-from mmssl.optim import check_warmup, record_shapes, unmatched_patterns
+from mmssl.optim import check_layer_decay, check_warmup, layer_scales, record_shapes, unmatched_patterns
 from mmssl.sharding import shard_model
 from mmssl.upstream import attached_trainer
 
@@ -117,6 +117,11 @@ class M3AEOutput(NamedTuple):
     captions_without_target: torch.Tensor
 
 
+# The one encoder over image patches and caption tokens, with what feeds it (its stem: the token and
+# modality embeddings beside the patch embedding), for layer decay; the decoder stays at 1.
+M3AE_TOWERS = {"encoder": ("encoder.*", "token_embed.*", "image_type", "text_type")}
+
+
 class M3AE(LightningModule):
     """M3AE pretraining on image-text pairs.
 
@@ -130,6 +135,10 @@ class M3AE(LightningModule):
         norm_pix_loss: per-patch normalised pixel targets (M3AE, MAE).
         optimizer, blr, warmup_steps, min_lr_ratio, no_weight_decay: as MAE (``MAE.configure_optimizers``).
         image_mean, image_std: normalisation (linked to the data module).
+        layer_decay: layer-wise LR decay of the shared encoder, as MAE's (:data:`M3AE_TOWERS`): block N of
+            D trains at ``decay ** (D - N)`` x the LR; its stem (patch embedding, class token, the
+            token embedding and both modality embeddings) at ``decay ** (D + 1)``; the encoder's norm
+            and the decoder at 1. ``None``: no decay.
     """
 
     trim_text_padding = False  # the full context: validation masks then depend on the sample only
@@ -157,8 +166,10 @@ class M3AE(LightningModule):
         image_mean: tuple[float, float, float] = IMAGENET_MEAN,
         image_std: tuple[float, float, float] = IMAGENET_STD,
         no_weight_decay: Optional[list[str]] = None,
+        layer_decay: Optional[float] = None,
     ) -> None:
         super().__init__()
+        decays = check_layer_decay("model.init_args.layer_decay", layer_decay, tuple(M3AE_TOWERS))
         check_share("model.image_mask_ratio", image_mask_ratio, high_open=True)
         if image_mask_ratio == 0.0:
             raise ValueError("model.image_mask_ratio must be in (0, 1), got 0.0: no image targets")
@@ -205,7 +216,7 @@ class M3AE(LightningModule):
         self.val_loss = self.val_image_loss + text_loss_weight * self.val_text_loss  # computed from the two
         self.no_weight_decay = list(MAE_NO_DECAY if no_weight_decay is None else no_weight_decay)
         self._param_ndim = record_shapes(self)  # before any FSDP flattening (mmssl.optim)
-        self._lr_scales = None  # no layer decay: MAE's configure_optimizers reads it
+        self._lr_scales = layer_scales(self._param_ndim, M3AE_TOWERS, decays) if decays else None  # MAE's reads it
         unmatched = unmatched_patterns(no_weight_decay or [], self._param_ndim)
         if unmatched:
             raise ValueError(f"model.no_weight_decay: {unmatched} match no parameter of the M3AE")

@@ -232,3 +232,30 @@ def test_without_the_shape_rule_only_the_patterns_escape_decay():
     groups = param_groups(model, ["*bias"], record_shapes(model))
     assert groups[0]["params"] == [model[0].weight, model[1].weight]  # the 1-D norm gain decayed
     assert groups[1]["params"] == [model[0].bias, model[1].bias] and groups[1]["weight_decay"] == 0.0
+
+
+def test_m3ae_decays_its_shared_encoder_and_its_stem_with_it():
+    from mmssl.models.m3ae import M3AE, M3AE_TOWERS
+
+    tiny = dict(image_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, decoder_embed_dim=32,
+                decoder_depth=1, decoder_num_heads=2, text_length=16)
+    model = M3AE(**tiny, layer_decay=0.5)
+    scales = model._lr_scales
+    # stem: D + 1 = 3 steps of decay; block N of 2: 2 - N; the encoder's final norm and the decoder: 1
+    for stem in ("encoder.cls_token", "encoder.patch_embed.proj.weight", "token_embed.weight", "image_type",
+                 "text_type"):
+        assert scales[stem] == pytest.approx(0.125), stem
+    assert scales["encoder.blocks.0.attn.qkv.weight"] == pytest.approx(0.25)
+    assert scales["encoder.blocks.1.mlp.fc2.weight"] == pytest.approx(0.5)
+    assert scales["encoder.norm.weight"] == 1.0
+    assert all(s == 1.0 for n, s in scales.items() if n.startswith(("mm_decoder.", "decoder_", "text_pred.")))
+    assert set(M3AE_TOWERS) == {"encoder"} and M3AE(**tiny)._lr_scales is None  # off by default: two groups
+    # MAE's configure_optimizers (M3AE borrows it) puts each scale into its group's lr
+    groups = build_optimizer(functools.partial(torch.optim.AdamW, lr=1e-3), model, model.no_weight_decay,
+                             model._param_ndim, scales).param_groups
+    by_name = {id(p): n for n, p in model.named_parameters()}
+    for group in groups:
+        for p in group["params"]:
+            assert group["lr"] == pytest.approx(1e-3 * scales[by_name[id(p)]])
+    with pytest.raises(ConfigError, match=r"model.init_args.layer_decay.encoder must be in \(0, 1\], got 1.5"):
+        M3AE(**tiny, layer_decay=1.5)
