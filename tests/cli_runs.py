@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 # A desynchronised collective must fail fast: the process-group timeout of test runs. Two minutes:
@@ -93,6 +93,24 @@ def run_mmssl(args: list[str], cwd: Path, timeout: float = 300, env: Optional[di
     if proc.returncode == -signal.SIGKILL and (timed_out or not killed):
         raise AssertionError(f"mmssl {' '.join(args[:3])} ... hung for {timeout:.0f} s; output tail:\n{out[-3000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, out, "")
+
+
+_SHARED: dict[tuple[str, ...], Path] = {}
+
+
+def shared_run(tmp_path_factory, args_for: Callable[[Path], list[str]], timeout: float = 300) -> Path:
+    """The folder of ``mmssl ARGS``, ARGS = ``args_for(folder)``, run once per session: the reference
+    run several tests (in several files) compare against, when its command is the same word for word
+    (the folder aside; the session's demo set is in the key). Only a run that exited 0 is kept (a
+    failed one fails each test asking for it, and a rerun runs it again). Tests only read the folder.
+    """
+    key = tuple(args_for(Path("{FOLDER}")))
+    if key not in _SHARED:
+        folder = tmp_path_factory.mktemp("shared") / "run"
+        out = run_mmssl(args_for(folder), folder.parent, timeout=timeout)
+        assert out.returncode == 0, out.stdout[-4000:]
+        _SHARED[key] = folder
+    return _SHARED[key]
 
 
 def last_metrics(run_dir: Path, prefixes: tuple[str, ...] = ("val/", "probe/")) -> dict[str, float]:

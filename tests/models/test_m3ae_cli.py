@@ -70,23 +70,24 @@ def test_two_processes_log_the_validation_figures_of_one(tmp_path, tiny_demo):
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-5), key
 
 
-def test_a_sigkilled_two_process_run_resumes_bit_exactly(tmp_path, tiny_demo):
+def test_a_sigkilled_two_process_run_resumes_bit_exactly(tmp_path, tmp_path_factory, tiny_demo):
     """2 DDP ranks SIGKILLed at step 3 and resumed with ``--ckpt_path last`` (its checkpoint: step 2)
     end with the uninterrupted run's weights on each rank, bit for bit: the image and caption masks
     each rank drew are drawn again, the data position and optimizer state restored (validation
-    every 2 steps, rank 1 without a held-out batch)."""
+    every 2 steps, rank 1 without a held-out batch). The uninterrupted run is the DDP reference of
+    tests/checkpoints/test_fsdp2_m3ae.py (the same command, run once per session)."""
     import signal
 
     from tests.checkpoints.test_fsdp2 import DDP, _args, _ok
+    from tests.checkpoints.test_fsdp2_m3ae import MODEL, STEPS, ddp_reference
 
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    _ok(run_mmssl([*_args("m3ae", whole, tiny_demo, TINY_ARGS, 4), *DDP], tmp_path, timeout=240))
+    whole, killed = ddp_reference(tmp_path_factory, tiny_demo), tmp_path / "killed"
     kill = ["--trainer.callbacks+=tests.helpers.KillAtStep", "--trainer.callbacks.step=3"]
-    out = run_mmssl([*_args("m3ae", killed, tiny_demo, TINY_ARGS, 4), *DDP, *kill], tmp_path, timeout=240,
+    out = run_mmssl([*_args("m3ae", killed, tiny_demo, MODEL, STEPS), *DDP, *kill], tmp_path, timeout=240,
                     killed=True)
     assert out.returncode == -signal.SIGKILL, out.stdout[-3000:]
     assert not (killed / "params" / "rank0.pt").exists()  # it never reached the end
-    _ok(run_mmssl([*_args("m3ae", killed, tiny_demo, TINY_ARGS, 4), *DDP, "--ckpt_path", "last"], tmp_path,
+    _ok(run_mmssl([*_args("m3ae", killed, tiny_demo, MODEL, STEPS), *DDP, "--ckpt_path", "last"], tmp_path,
                   timeout=240))
     start = torch.load(whole / "params" / "start_rank0.pt", weights_only=True)
     for rank in (0, 1):
