@@ -21,6 +21,7 @@ is read again, and fewer than ``world x batch`` of them are left out (reported).
 from __future__ import annotations
 
 import math
+import random
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -40,6 +41,7 @@ from mmssl.data.transforms import (
     OPENAI_MEAN,
     OPENAI_STD,
     BatchNormalize,
+    LocalCrops,
     eval_transform,
     timm_eval_transform,
     timm_train_transform,
@@ -74,6 +76,49 @@ def check_even_validation(spec: StreamSpec, where: str) -> None:
             f"{where}: under FSDP every validation forward is a collective, so every rank needs the same "
             f"number of validation batches, but the shards give ranks {counts}: use shards of equal size in a "
             f"multiple of ranks x workers ({spec.world_size} x {spec.workers}), or validate on one process")
+
+
+class GlobalAndLocalCrops:
+    """A sample's image transform and its local crops (:class:`~mmssl.data.transforms.LocalCrops`),
+    drawn from the sample's RNG in that order; a validation sample (no RNG) draws its crops from a
+    fixed seed, so they are the same whichever rank or batch it lands in.
+
+    Args:
+        transform: the image transform, PIL image (, rng) -> (3, S, S).
+        local: the local crops, PIL image, rng -> (n, 3, S', S') uint8.
+    """
+
+    def __init__(self, transform: Callable, local: LocalCrops) -> None:
+        self.transform, self.local = transform, local
+
+    def __call__(self, image: Any, rng: Optional[random.Random] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if rng is None:
+            return self.transform(image), self.local(image, random.Random(0))
+        return self.transform(image, rng), self.local(image, rng)
+
+
+class LocalCropDecoder(SampleDecoder):
+    """:class:`~mmssl.data.decode.SampleDecoder` whose samples also carry ``local_crops``
+    (n, 3, S, S), batched as (B, n, 3, S, S) and normalised with ``crop_normalize`` (``None``: left
+    uint8, normalised on the device after the transfer). Its ``transform`` is a :class:`GlobalAndLocalCrops`."""
+
+    def __init__(self, *args: Any, crop_normalize: Optional[BatchNormalize] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.crop_normalize = crop_normalize
+
+    def output_keys(self, raw: dict[str, Any]) -> set[str]:
+        return super().output_keys(raw) | {"local_crops"}
+
+    def __call__(self, raw: dict[str, Any], rng: Optional[random.Random] = None) -> dict[str, Any]:
+        out = super().__call__(raw, rng)
+        out["image"], out["local_crops"] = out["image"]
+        return out
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = super().collate(samples)  # local_crops stacked: (B, n, 3, S, S)
+        if self.crop_normalize is not None:
+            batch["local_crops"] = self.crop_normalize(batch["local_crops"])
+        return batch
 
 
 # The loader's length is exact by construction (the plan deals each rank and worker its own
@@ -145,6 +190,11 @@ class ImageTextDataModule(pl.LightningDataModule):
         caption_templates: the templates file of ``captions_from_classes`` (one prompt a line,
             with ``{c}``); unset: ``zeroshot_classification_templates.txt`` beside the class
             names, else CLIP's 80 ImageNet prompts.
+        local_crops: random-resized local crops per image, batched as ``local_crops`` (B, n, 3, S,
+            S) at the model's input size, for self-distillation (SILC / DINO's local views; read by
+            :mod:`mmssl.objectives.self_distill`); drawn from each sample's RNG after its crop, so
+            seeded and resumed like it. Validation crops come from a fixed seed. 0: none.
+        local_crop_scale: area range of the local crops (DINO: (0.05, 0.4)).
     """
 
     def __init__(
@@ -179,8 +229,19 @@ class ImageTextDataModule(pl.LightningDataModule):
         teacher_embeddings: Optional[str] = None,
         captions_from_classes: Optional[str] = None,
         caption_templates: Optional[str] = None,
+        local_crops: int = 0,
+        local_crop_scale: tuple[float, float] = (0.05, 0.4),
     ) -> None:
         super().__init__()
+        if isinstance(local_crops, bool) or not isinstance(local_crops, int) or local_crops < 0:
+            raise ValueError(f"data.init_args.local_crops must be an integer >= 0, got {local_crops!r}")
+        if local_crops and train_augment is not None:
+            raise ValueError("data.init_args.local_crops: local crops are drawn beside the plain crop, not timm's "
+                             "chain (data.init_args.train_augment); set one of them")
+        if local_crops and not (len(local_crop_scale) == 2 and 0.0 < local_crop_scale[0] <= local_crop_scale[1] <= 1.0):
+            raise ValueError(f"data.init_args.local_crop_scale must be [min, max] with 0 < min <= max <= 1, "
+                             f"got {local_crop_scale!r}")
+        self.local_crops, self.local_crop_scale = local_crops, tuple(local_crop_scale)
         if caption_templates and not captions_from_classes:
             raise ValueError("data.init_args.caption_templates is set without data.init_args.captions_from_classes: "
                              "the templates make captions from class names; name the class-names file too")
@@ -294,9 +355,16 @@ class ImageTextDataModule(pl.LightningDataModule):
             transform = eval_transform(self.image_size, self.image_mean, self.image_std)
         min_size = draft_size(self.image_size, self.crop_scale[0]) if self.reduced_decode and train else None
         teacher = (self.teacher_tokenizer, self.teacher_embeddings) if train else (None, None)  # training only
-        return SampleDecoder(transform, self.tokenizer, self.image_key.split(";"), self.text_key,
-                             self.label_key, min_size, batch_transform, self.num_classes, self.max_image_pixels,
-                             *teacher, captions=self.captions)
+        args = (self.tokenizer, self.image_key.split(";"), self.text_key, self.label_key, min_size, batch_transform,
+                self.num_classes, self.max_image_pixels, *teacher)
+        if not self.local_crops:
+            return SampleDecoder(transform, *args, captions=self.captions)
+        if min_size is not None:  # the smallest local crop, at full resolution too
+            args = (*args[:4], max(min_size, draft_size(self.image_size, self.local_crop_scale[0])), *args[5:])
+        local = LocalCrops(self.local_crops, self.image_size, self.local_crop_scale, self.hflip)
+        normalize = None if self._normalizes_on_device() else BatchNormalize(self.image_mean, self.image_std)
+        return LocalCropDecoder(GlobalAndLocalCrops(transform, local), *args, captions=self.captions,
+                                crop_normalize=normalize)
 
     def build_stream(self, data: DataSpec, train: bool, rank: int = 0, world_size: int = 1) -> ShardStream:
         """The dataset of one rank (tests pass ``rank``/``world_size`` to simulate ranks).
@@ -324,14 +392,11 @@ class ImageTextDataModule(pl.LightningDataModule):
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Normalise uint8 training images on the device they were moved to (``normalize_on_device``)."""
-        if (
-            isinstance(batch, dict)
-            and isinstance(batch.get("image"), torch.Tensor)
-            and batch["image"].dtype == torch.uint8
-        ):
-            if self._device_normalize is None:
-                self._device_normalize = BatchNormalize(self.image_mean, self.image_std)
-            batch["image"] = self._device_normalize(batch["image"])
+        for key in ("image", "local_crops"):
+            if isinstance(batch, dict) and isinstance(batch.get(key), torch.Tensor) and batch[key].dtype == torch.uint8:
+                if self._device_normalize is None:
+                    self._device_normalize = BatchNormalize(self.image_mean, self.image_std)
+                batch[key] = self._device_normalize(batch[key])
         return batch
 
     def _current_epoch(self) -> Optional[int]:

@@ -61,6 +61,30 @@ class CropToUint8:
         return f"{type(self).__name__}({self.crop!r})"
 
 
+class LocalCrops:
+    """``count`` random-resized crops of one image (DINO's multi-crop ``local`` views, sec. 3.1 and
+    ``main_dino.py`` ``DataAugmentationDINO``: scale (0.05, 0.4)), as one ``(count, 3, S, S)`` uint8
+    tensor, drawn from the sample's RNG after its training crop: a sample gets the same crops
+    whichever worker reads it and after a resume. Normalise with :class:`BatchNormalize`.
+
+    Args:
+        count: crops per image (>= 1).
+        size: their side in pixels (the model's input: open_clip's ViT has fixed position embeddings).
+        scale: area range of each crop, as a fraction of the image.
+        hflip: flip each crop left-right with probability 0.5.
+    """
+
+    def __init__(self, count: int, size: int, scale: tuple[float, float] = (0.05, 0.4), hflip: bool = False) -> None:
+        self.count = count
+        self.crop = CropToUint8(RandomResizedCropFlip(size, scale, hflip))
+
+    def __call__(self, image: Image.Image, rng: Optional[random.Random] = None) -> torch.Tensor:
+        return torch.stack([self.crop(image, rng) for _ in range(self.count)])  # (count, 3, S, S)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(count={self.count}, {self.crop!r})"
+
+
 def train_transform(
     image_size: int,
     mean: Sequence[float] = OPENAI_MEAN,

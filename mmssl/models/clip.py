@@ -33,7 +33,7 @@ from mmssl.models.gradcache import cached_features
 from mmssl.models.lit import init_image_tower
 from mmssl.models.locking import LOCK_RENAMES, LockOptions, lock_towers
 from mmssl.models.lora import CLIP_TRAINABLE, LoraCheckpoint, clip_towers, enable_lora
-from mmssl.models.masking import sample_noise
+from mmssl.models.masking import random_masking, sample_noise
 from mmssl.models.memory import apply_memory_options
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
     OPEN_CLIP_NO_DECAY,
@@ -379,8 +379,17 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         return [torch.cat([cls, patches], dim=1) for cls, patches in
                 zip(out["image_intermediates_prefix"], out["image_intermediates"])]
 
-    def forward(self, images: Tensor, tokens: Tensor) -> dict[str, Any]:
-        """Returns ``image_features`` (B, D), ``text_features`` (B, D), ``logit_scale`` () and,
+    def forward(self, images: Tensor, tokens: Tensor, local_crops: Optional[Tensor] = None,
+                patch_mask: Optional[Tensor] = None, teacher_targets: bool = False) -> dict[str, Any]:
+        """The step's outputs (below), with what the image-only objectives read
+        (:mod:`mmssl.objectives.self_distill`, :mod:`mmssl.objectives.masked_features`), through this
+        one forward so that a sharded model gathers its weights as for any step: ``local_crops``
+        (B, n, 3, H, W) adds ``local_features`` (B * n, E) (the unnormalised image embeddings of
+        the crops, sample-major); ``patch_mask`` (B, L) bool adds ``masked_patches`` (B, L, D)
+        (:meth:`masked_patch_tokens`); ``teacher_targets`` returns only the image tower's
+        ``pooled`` (B, E) and ``patches`` (B, L, D) of ``images`` (what an EMA teacher gives).
+
+        Otherwise returns ``image_features`` (B, D), ``text_features`` (B, D), ``logit_scale`` () and,
         for SigLIP, ``logit_bias`` (): open_clip's ``output_dict`` (scale already exponentiated);
         with an objective that reads the joint forward, also the decoder's ``logits`` (B, L-1, V)
         and ``labels`` (B, L-1) (open_clip ``CoCa.forward``).
@@ -389,6 +398,16 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         their activations rebuilt in the backward (GradCache): the same values and gradients; a
         joint forward's chunks keep, instead of their logits, what each objective keeps of them
         (``chunks``: name -> one tensor per chunk)."""
+        if teacher_targets:
+            return self.image_targets(images)
+        out = self._pair_forward(images, tokens)
+        if local_crops is not None:
+            out["local_features"] = self.encode_image(local_crops.flatten(0, 1), normalize=False)  # (B * n, E)
+        if patch_mask is not None:
+            out["masked_patches"] = self.masked_patch_tokens(images, patch_mask)
+        return out
+
+    def _pair_forward(self, images: Tensor, tokens: Tensor) -> dict[str, Any]:
         if self._joint:
             return self._joint_forward(images, tokens)
         if self.training and self.contrastive_chunk_size is not None:
@@ -399,6 +418,47 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         if self.model.logit_bias is not None:
             out["logit_bias"] = self.model.logit_bias
         return out
+
+    def image_targets(self, images: Tensor) -> dict[str, Tensor]:
+        """(B, 3, H, W) -> ``pooled`` (B, E), the unnormalised image embedding, and ``patches``
+        (B, L, D), the last block's patch tokens (after the final norm ``ln_post`` unless an
+        attention pool owns it, whose width it has), from one pass of the image tower."""
+        out = self.model.visual.forward_intermediates(images, indices=1, normalize_intermediates=self._patch_norm(),
+                                                      output_fmt="NLC")
+        return {"pooled": out["image_features"], "patches": out["image_intermediates"][-1]}
+
+    def _patch_norm(self) -> bool:
+        """Whether patch tokens take the final norm: open_clip applies ``ln_post`` to the attention
+        pool's output when the tower has one (CoCa), and it is then of the pool's width."""
+        return getattr(self.model.visual, "attn_pool", None) is None
+
+    def mask_patches(self, noise: Tensor, mask_ratio: float) -> Tensor:
+        """(B, L) uniforms -> (B, L) bool, True where a patch is masked: MAE's random masking
+        (:func:`mmssl.models.masking.random_masking`, the smallest noise kept)."""
+        return random_masking(noise.unsqueeze(-1), mask_ratio, noise=noise).mask.bool()
+
+    def masked_patch_tokens(self, images: Tensor, patch_mask: Tensor) -> Tensor:
+        """(B, 3, H, W), (B, L) bool -> (B, L, D) patch tokens (as :meth:`image_targets`), the masked
+        patches' embeddings replaced by the mask token of the objective that owns one (iBOT: the
+        token in place of the patch embedding, then the position embedding; here their sum, swapped
+        in at the input of ``ln_pre``). The token is read here, inside the forward, so a sharded
+        module uses its gathered value."""
+        visual = self.model.visual
+        token = next(o.mask_token for o in self.objectives.values() if getattr(o, "mask_token", None) is not None)
+
+        def swap(module: nn.Module, args: tuple) -> tuple:
+            x = args[0]  # (B, 1 + L, D) after the position embedding
+            masked = (token + visual.positional_embedding[1:]).to(x.dtype)  # (1, L, D)
+            patches = torch.where(patch_mask.unsqueeze(-1), masked, x[:, 1:])  # (B, L, D)
+            return (torch.cat([x[:, :1], patches], dim=1), *args[1:])
+
+        handle = visual.ln_pre.register_forward_pre_hook(swap)
+        try:
+            out = visual.forward_intermediates(images, indices=1, normalize_intermediates=self._patch_norm(),
+                                               intermediates_only=True, output_fmt="NLC")
+        finally:
+            handle.remove()
+        return out["image_intermediates"][-1]
 
     def _encode_pair(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """(b, 3, H, W), (b, L) -> (b, D) image and (b, D) text features: one GradCache chunk."""
@@ -505,6 +565,12 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
     def scalars_as_vectors(self) -> None:
         """``logit_scale`` / ``logit_bias`` of shape (1,), as sharding needs (:mod:`mmssl.models.scalars`)."""
         scalars_as_vectors(self.model)
+
+    def setup(self, stage: str) -> None:
+        # What the objectives need of the run (an EMA callback, a batch field), refused before any step.
+        for objective in self._present().values():
+            if objective.weight > 0:
+                objective.check_run(self.trainer, stage)
 
     def on_fit_start(self) -> None:
         seed_per_rank(self.global_rank, self.trainer.world_size)  # each rank draws its own FLIP masks and dropout

@@ -11,8 +11,10 @@ from mmssl.objectives.base import (
 from mmssl.objectives.caption import Captioning
 from mmssl.objectives.contrastive import LOSS_INIT, Contrastive, contrastive_loss
 from mmssl.objectives.itm import ImageTextMatching, itm_sums, pick_negatives
+from mmssl.objectives.masked_features import MaskedFeatures
 from mmssl.objectives.masked_text import MaskedLanguageModelling
+from mmssl.objectives.self_distill import SelfDistillation
 
-__all__ = ["LOSS_INIT", "OBJECTIVES", "Captioning", "Contrastive", "ImageTextMatching", "MaskedLanguageModelling",
-           "Objective", "build_objectives", "check_parts", "contrastive_loss", "has_parts", "itm_sums",
-           "pick_negatives", "sample_uniforms"]
+__all__ = ["LOSS_INIT", "OBJECTIVES", "Captioning", "Contrastive", "ImageTextMatching", "MaskedFeatures",
+           "MaskedLanguageModelling", "Objective", "SelfDistillation", "build_objectives", "check_parts",
+           "contrastive_loss", "has_parts", "itm_sums", "pick_negatives", "sample_uniforms"]

@@ -88,6 +88,10 @@ class Objective(nn.Module, abc.ABC):
         """Refuse, at start-up, a model the objective cannot train though it has the parts (a causal
         text tower for masked words, ...): raise :class:`~mmssl.errors.ConfigError` naming the key."""
 
+    def check_run(self, trainer: Any, stage: str) -> None:
+        """Refuse, at start-up (the host's ``setup``), a run the objective cannot train: a callback
+        or a batch field it needs that the run lacks; raise :class:`~mmssl.errors.ConfigError` naming the key."""
+
     @property
     def host(self) -> nn.Module:
         """The module that trains the objective (set by :func:`check_parts`): its ``host_parts``."""
