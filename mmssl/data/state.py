@@ -48,13 +48,12 @@ from mmssl.watchdog import watched
 # every epoch (each worker imports torch): too slow for workers started per epoch.
 # The demo (configs/demo/clip.yaml's data: batch 128 of 64 px, 2 workers, load 5.7): fork 2.1-2.6 s,
 # forkserver 36 s for the first loader with no overlap, then 2.5-3.3 s.
-# Not the default yet, for two measured reasons: each rank's server imports Lightning and open_clip
-# (12.6 s of CPU), which made a 2-process test 1.8x slower (tests/callbacks/test_guards_ddp.py:
-# 38.5 s fork, 70.9 s forkserver, same load) and the suite far past its time; and an image folder's
-# virtual shards read as empty in its workers on a mid-epoch resume
-# (tests/data/test_folders.py::test_resume_mid_epoch_from_a_folder_continues_with_the_remainder
-# fails under forkserver, passes under fork). ``$MMSSL_WORKER_START=forkserver`` opts in; fork stays
-# torch's default.
+# Not the default yet: each rank's server imports Lightning and open_clip (12.6 s of CPU), which
+# made a 2-process test 1.8x slower (tests/callbacks/test_guards_ddp.py: 38.5 s fork, 70.9 s
+# forkserver, same load) and the suite far past its time. (An image folder's mid-epoch resume
+# failed under it once, tests/data/test_folders.py: the test had patched the folder shard size in
+# its own process, which the server's workers, importing mmssl afresh, did not see; not a defect of
+# the reader.) ``$MMSSL_WORKER_START=forkserver`` opts in; fork stays torch's default.
 WORKER_START_ENV = "MMSSL_WORKER_START"
 DEFAULT_WORKER_START = "fork"
 _PRELOAD = ["mmssl.data.datamodule"]

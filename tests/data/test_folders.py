@@ -44,6 +44,10 @@ def _module(data, **kwargs) -> ImageTextDataModule:
 def small_shards(monkeypatch):
     folders._listing.cache_clear()
     monkeypatch.setattr(folders, "FOLDER_SHARD", 7)  # 3 x 10 images -> 5 virtual shards
+    # The patched size is this process's: workers forked from it see it, but a fork server's
+    # (MMSSL_WORKER_START=forkserver) import mmssl afresh and would read 256-image shards, so a
+    # resumed epoch's planned samples of shards 1-4 would not exist there. These tests use fork.
+    monkeypatch.setenv("MMSSL_WORKER_START", "fork")
 
 
 def test_a_folder_is_read_as_virtual_shards_with_labels_and_captions(tmp_path):
