@@ -26,9 +26,9 @@ import torch
 
 from mmssl.checkpoints.read import read_checkpoint
 from mmssl.checkpoints.resume import inspect_checkpoint
-from tests.checkpoints.test_fsdp2 import FSDP2, _ok, _params
-from tests.cli_runs import REPO, cli_env, last_metrics, run_mmssl
-from tests.tiny import TINY_MAE_FLAGS
+from tests.checkpoints.test_fsdp2 import _last_only_args as _fit
+from tests.checkpoints.test_fsdp2 import _ok, _params, fsdp2_mae_reference
+from tests.cli_runs import cli_env, last_metrics, run_mmssl
 
 ASYNC = "--trainer.strategy.init_args.async_mode=async"
 
@@ -218,32 +218,15 @@ class KillDuringWrite(pl.Callback):
         dcp_files._FileSystemWriter.write_data = write_then_die
 
 
-def _fit(root: Path, demo, steps: int, *extra: str) -> list[str]:
-    val = f"{os.path.dirname(demo.val)}/0.tar"  # one shard: rank 1 validates nothing
-    last = ('[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
-            '"init_args": {"save_last": true, "save_top_k": 0, "every_n_train_steps": 1}}]')
-    return [
-        "fit", "--config", str(REPO / "configs/demo/mae.yaml"), *TINY_MAE_FLAGS, *FSDP2,
-        f"--data.init_args.demo_dir={demo.root}", f"--data.init_args.val_data={val}",
-        "--data.init_args.batch_size=4", "--data.init_args.num_workers=1",
-        f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
-        f"--trainer.max_steps={steps}", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
-        "--trainer.log_every_n_steps=1", f"--trainer.callbacks={last}",
-        "--trainer.callbacks+=tests.helpers.DumpParams", f"--trainer.callbacks.folder={root}/params",
-        "--trainer.callbacks+=tests.helpers.DumpStartParams", f"--trainer.callbacks.folder={root}/params",
-        *extra,
-    ]
-
-
-def test_an_async_fsdp2_run_trains_as_the_sync_one_and_a_sigkill_in_its_write_resumes_bit_exactly(tmp_path,
-                                                                                                  tiny_demo):
-    """Synchronous saves, 6 steps; asynchronous saves SIGKILLed in the background write of step 3's
-    ``last.ckpt`` with training at step 4: ``last.ckpt`` is step 2's folder, whole, and the async
-    run resumed with ``--ckpt_path last`` ends on the synchronous run's weights, figures and last
-    folder, bit-exactly."""
-    sync, run = tmp_path / "sync", tmp_path / "async"
-    _ok(run_mmssl(_fit(sync, tiny_demo, 6), tmp_path, timeout=240))
-    killed = run_mmssl(_fit(run, tiny_demo, 6, ASYNC, "--trainer.callbacks+=tests.checkpoints.test_async_save."
+def test_an_async_fsdp2_run_trains_as_the_sync_one_and_a_sigkill_in_its_write_resumes_bit_exactly(
+        tmp_path, tmp_path_factory, tiny_demo):
+    """Synchronous saves, 4 steps (tests/checkpoints/test_fsdp2.py's FSDP2 MAE run, run once per
+    session); asynchronous saves SIGKILLed in the background write of step 3's ``last.ckpt`` with
+    training at step 4 (its last: the step-4 save waits for that write): ``last.ckpt`` is step 2's
+    folder, whole, and the async run resumed with ``--ckpt_path last`` ends on the synchronous run's
+    weights, figures and last folder, bit-exactly."""
+    sync, run = fsdp2_mae_reference(tmp_path_factory, tiny_demo), tmp_path / "async"
+    killed = run_mmssl(_fit(run, tiny_demo, 4, ASYNC, "--trainer.callbacks+=tests.checkpoints.test_async_save."
                             "KillDuringWrite", "--trainer.callbacks.step=3"), tmp_path, timeout=240, killed=True)
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-4000:]
     assert "killed at step 4 in the write of step 3 to .last.ckpt." in killed.stdout, killed.stdout[-4000:]
@@ -253,7 +236,7 @@ def test_an_async_fsdp2_run_trains_as_the_sync_one_and_a_sigkill_in_its_write_re
     assert partial.name.endswith(".partial") and not (partial / "meta.pt").exists()
     step2 = read_checkpoint(str(folder / "last.ckpt"))["state_dict"]
 
-    _ok(run_mmssl(_fit(run, tiny_demo, 6, ASYNC, "--ckpt_path", "last"), tmp_path, timeout=240))
+    _ok(run_mmssl(_fit(run, tiny_demo, 4, ASYNC, "--ckpt_path", "last"), tmp_path, timeout=240))
     start = _params(run, "start_rank0.pt")
     assert all(torch.equal(start[k], step2[k]) for k in step2), "resumed elsewhere than step 2's folder"
     want, got = _params(sync), _params(run)
@@ -262,7 +245,7 @@ def test_an_async_fsdp2_run_trains_as_the_sync_one_and_a_sigkill_in_its_write_re
     assert last_metrics(run / "version_0")["val/loss"] == last_metrics(sync / "version_0")["val/loss"]
     want_last, got_last = read_checkpoint(str(sync / "version_0" / "checkpoints" / "last.ckpt")), \
         read_checkpoint(str(folder / "last.ckpt"))
-    assert got_last["global_step"] == want_last["global_step"] == 6
+    assert got_last["global_step"] == want_last["global_step"] == 4
     for key in want_last["state_dict"]:
         assert torch.equal(got_last["state_dict"][key], want_last["state_dict"][key]), key
         assert torch.equal(got_last["state_dict"][key], got[key]), key

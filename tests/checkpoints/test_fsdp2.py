@@ -22,7 +22,7 @@ import torch
 
 from mmssl.checkpoints.read import UnsafeCheckpointError, read_checkpoint, read_dcp_metadata
 from mmssl.checkpoints.resume import inspect_checkpoint, run_checkpoints
-from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl
+from tests.cli_runs import PG_TIMEOUT, REPO, last_metrics, run_mmssl, shared_run
 from tests.tiny import TINY_MAE_FLAGS
 
 FSDP2 = ["--config", str(REPO / "configs/trainer/fsdp2_cpu.yaml"), PG_TIMEOUT]
@@ -46,6 +46,33 @@ def _args(recipe: str, root: Path, demo, model: list[str], steps: int) -> list[s
     ]
 
 
+def _last_only_args(root: Path, demo, steps: int, *extra: str) -> list[str]:
+    """A 2-process FSDP2 MAE run as ``_args``'s, its callbacks replaced by ONE checkpoint, ``last.ckpt``
+    at every step (an asynchronous save of another callback at the same step would wait for the write
+    tests.checkpoints.test_async_save.KillDuringWrite holds), and the weights at start and end."""
+    val = f"{os.path.dirname(demo.val)}/0.tar"  # one shard: rank 1 validates nothing
+    last = ('[{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
+            '"init_args": {"save_last": true, "save_top_k": 0, "every_n_train_steps": 1}}]')
+    return [
+        "fit", "--config", str(REPO / "configs/demo/mae.yaml"), *TINY_MAE_FLAGS, *FSDP2,
+        f"--data.init_args.demo_dir={demo.root}", f"--data.init_args.val_data={val}",
+        "--data.init_args.batch_size=4", "--data.init_args.num_workers=1",
+        f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
+        f"--trainer.max_steps={steps}", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
+        "--trainer.log_every_n_steps=1", f"--trainer.callbacks={last}",
+        "--trainer.callbacks+=tests.helpers.DumpParams", f"--trainer.callbacks.folder={root}/params",
+        "--trainer.callbacks+=tests.helpers.DumpStartParams", f"--trainer.callbacks.folder={root}/params",
+        *extra,
+    ]
+
+
+def fsdp2_mae_reference(tmp_path_factory, demo) -> Path:
+    """The folder of ``_last_only_args``'s 4-step run, synchronous saves, run once per session: the
+    uninterrupted FSDP2 run of ``mae_runs`` and the synchronous run of
+    tests/checkpoints/test_async_save.py."""
+    return shared_run(tmp_path_factory, lambda root: _last_only_args(root, demo, 4), timeout=240)
+
+
 def _params(root: Path, name: str = "rank0.pt") -> dict[str, torch.Tensor]:
     return torch.load(root / "params" / name, weights_only=True)
 
@@ -56,11 +83,13 @@ def _ok(proc) -> None:
 
 @pytest.fixture(scope="module")
 def mae_runs(tmp_path_factory, tiny_demo):
-    """A 2-process FSDP2 MAE run of 4 steps, the same under DDP, and an FSDP2 run SIGKILLed at
-    step 3 (its newest checkpoint: step 2) then resumed with --ckpt_path last."""
+    """A 2-process FSDP2 MAE run of 4 steps (``fsdp2_mae_reference``: its callbacks are checkpoints and
+    weight dumps only), the same under DDP (the recipe's callbacks, a checkpoint each step), and an
+    FSDP2 run as the DDP one SIGKILLed at step 3 (its newest checkpoint: step 2) then resumed with
+    --ckpt_path last."""
     tmp = tmp_path_factory.mktemp("fsdp2_mae")
-    runs = {name: tmp / name for name in ("fsdp2", "ddp", "killed")}
-    _ok(run_mmssl([*_args("mae", runs["fsdp2"], tiny_demo, TINY_MAE_FLAGS, 4), *FSDP2], tmp, timeout=240))
+    runs = {name: tmp / name for name in ("ddp", "killed")}
+    runs["fsdp2"] = fsdp2_mae_reference(tmp_path_factory, tiny_demo)
     _ok(run_mmssl([*_args("mae", runs["ddp"], tiny_demo, TINY_MAE_FLAGS, 4), *DDP], tmp, timeout=240))
     kill = ["--trainer.callbacks+=tests.helpers.KillAtStep", "--trainer.callbacks.step=3"]
     killed = run_mmssl([*_args("mae", runs["killed"], tiny_demo, TINY_MAE_FLAGS, 4), *FSDP2, *kill], tmp, timeout=240,
