@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -42,6 +43,60 @@ def _print_stacks(folder: str, after_s: str) -> None:
         text = Path(folder, name).read_text(errors="replace")
         if text.strip():
             print(f"--- {name}: stacks of a process still running {after_s} s in ---\n{text}")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for MASTER_PORT): fixed ports collide between runs."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_together(commands: list[list[str]], timeout: float, cwd: Optional[Path] = None,
+                 envs: Optional[list[dict]] = None) -> list[tuple[int, str]]:
+    """Start ``commands`` at once (the ranks or nodes of one run, as a launcher would), each in its
+    own session, and wait for all of them, killing every process group after ``timeout`` s.
+
+    Each process writes to a file of its own, never to a pipe: a pipe that this test does not read
+    while it waits for another process fills at 64 KiB, and the writer (a rank, or a data-loader
+    worker writing a warning) then blocks forever, which reads as that rank hanging.
+
+    Returns:
+        (return code, output) per command, stdout and stderr merged.
+
+    Raises:
+        AssertionError: a process outlived ``timeout`` (a hang), with each one's output tail.
+    """
+    envs = envs or [cli_env() for _ in commands]
+    with tempfile.TemporaryDirectory() as folder:
+        logs = [open(Path(folder) / f"{i}.log", "w+") for i in range(len(commands))]
+        procs = [subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True) for command, env, log in zip(commands, envs, logs)]
+        deadline, hung = time.monotonic() + timeout, False
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung = True
+        finally:
+            for proc in procs:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the group: a hang, or a data worker left behind
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+    if hung:
+        tails = "\n".join(f"--- process {i} ---\n{out[-2000:]}" for i, out in enumerate(outputs))
+        raise AssertionError(f"{len(commands)} processes started together did not all finish in {timeout:.0f} s "
+                             f"(hang?):\n{tails}")
+    return [(proc.returncode, out) for proc, out in zip(procs, outputs)]
 
 
 def run_one_process(args: list[str]) -> subprocess.CompletedProcess:

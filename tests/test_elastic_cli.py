@@ -11,15 +11,12 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
 
-from tests.cli_runs import REPO, cli_env
+from tests.cli_runs import REPO, cli_env, free_port, run_together
 
 SHARDS = [16, 16, 16, 16, 16, 15]  # 95 samples: neither 2 x 4 nor 1 x 4 divides what is read
 BATCH, BATCH2 = 4, 3  # run 1, run 2 (run 1 leaves a multiple of 8 to read: batch 3 leaves some out)
@@ -38,47 +35,20 @@ class RecordLabels(pl.Callback):
             f.write(json.dumps(row) + "\n")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(args: list[str], cwd: Path, timeout: float, ranks: int) -> list[tuple[int, str]]:
     """``python -m mmssl ARGS`` as ``ranks`` processes started together, as a launcher would (so a
-    rank's SIGKILL is its own), each in its own process group, all killed after ``timeout`` s.
-    Returns (return code, output) per rank."""
+    rank's SIGKILL is its own), each in its own process group, all killed after ``timeout`` s
+    (:func:`tests.cli_runs.run_together`). Returns (return code, output) per rank."""
     import pytest
 
     env = cli_env()
     if ranks > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
-    logs = [open(cwd / f"launch{time.monotonic_ns()}_{rank}.log", "w+") for rank in range(ranks)]
-    procs = [subprocess.Popen([sys.executable, "-m", "mmssl", *args], cwd=cwd, text=True,
-                              env={**env, **({"LOCAL_RANK": str(rank)} if ranks > 1 else {})},
-                              stdout=logs[rank], stderr=subprocess.STDOUT, start_new_session=True)
-             for rank in range(ranks)]
-    deadline, hung = time.monotonic() + timeout, False
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
     try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        hung = True
-    finally:
-        for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the group: a hang, or a data worker left behind
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    outputs = []
-    for log in logs:
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
-    if hung:
-        pytest.fail(f"mmssl on {ranks} process(es) did not finish in {timeout} s (hang?):\n{outputs[0][-3000:]}")
-    return [(p.returncode, out) for p, out in zip(procs, outputs)]
+        return run_together([[sys.executable, "-m", "mmssl", *args]] * ranks, timeout, cwd=cwd,
+                            envs=[{**env, **({"LOCAL_RANK": str(rank)} if ranks > 1 else {})} for rank in range(ranks)])
+    except AssertionError as err:
+        pytest.fail(f"mmssl on {ranks} process(es): {err}")
 
 
 def _args(root: Path, data: Path, model: str, workers: int, batch: int, tag: str) -> list[str]:

@@ -1,26 +1,15 @@
 """A 2-node job without a cluster: torchrun with 2 nodes x 1 process on localhost."""
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 
-from tests.cli_runs import PG_TIMEOUT, REPO, cli_env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.cli_runs import PG_TIMEOUT, REPO, free_port, run_together
 
 
 def test_torchrun_two_nodes_each_read_their_own_shards(tmp_path, tiny_demo, tiny_clip_json):
-    port = _free_port()
-    env = cli_env()
-    procs = [
-        subprocess.Popen([
+    port = free_port()
+    commands = [
+        [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
             f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
             "-m", "mmssl", "fit",
@@ -33,20 +22,12 @@ def test_torchrun_two_nodes_each_read_their_own_shards(tmp_path, tiny_demo, tiny
             PG_TIMEOUT,  # validation on: the held-out split is dealt over the two nodes
             f"--trainer.default_root_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false",
             "--trainer.callbacks+=helpers.DumpShards", f"--trainer.callbacks.folder={tmp_path / 'shards'}",
-        ], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            start_new_session=True)
+        ]
         for node in (0, 1)
     ]
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]  # a hang fails here, not in CI
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
+    done = run_together(commands, 300, cwd=tmp_path)  # a hang fails here, not in CI; output through files
+    for code, out in done:
+        assert code == 0, out[-3000:]
     assert "val/loss" in open(tmp_path / "runs" / "version_0" / "metrics.csv").readline()
     ranks = [json.loads((tmp_path / "shards" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["node_rank"] for r in ranks] == [0, 1]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -28,7 +27,7 @@ from mmssl.checkpoints.read import read_checkpoint
 from mmssl.checkpoints.resume import inspect_checkpoint
 from tests.checkpoints.test_fsdp2 import _last_only_args as _fit
 from tests.checkpoints.test_fsdp2 import _ok, _params, fsdp2_mae_reference
-from tests.cli_runs import cli_env, last_metrics, run_mmssl
+from tests.cli_runs import cli_env, free_port, last_metrics, run_mmssl, run_together
 
 ASYNC = "--trainer.strategy.init_args.async_mode=async"
 
@@ -162,19 +161,12 @@ def test_a_failed_background_write_is_raised_on_every_rank_naming_the_folder(tmp
     script = tmp_path / "save.py"
     script.write_text(_RANK_SAVES)
     last = tmp_path / "checkpoints" / "last.ckpt"
-    env = cli_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(31500 + os.getpid() % 2000))
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(last)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in (0, 1)]
-    deadline, outs = time.monotonic() + 120, []
-    try:
-        for proc in procs:
-            outs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    finally:
-        for proc in procs:
-            proc.kill()
+    env = cli_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    done = run_together([[sys.executable, str(script), str(rank), str(last)] for rank in (0, 1)], 120,
+                        envs=[env, env])
     steps = set()
-    for rank, (proc, out) in enumerate(zip(procs, outs)):
-        assert proc.returncode == 0, f"rank {rank}:\n{out[-3000:]}"
+    for rank, (code, out) in enumerate(done):
+        assert code == 0, f"rank {rank}:\n{out[-3000:]}"
         line = next((line for line in out.splitlines() if line.startswith(f"rank {rank} raised at step")), "")
         assert f"{last}: the sharded checkpoint was not saved: rank 1 could not write its shard" in line, out[-3000:]
         assert "No space left on device" in line and "the previous checkpoint there is unchanged" in line

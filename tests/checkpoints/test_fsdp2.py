@@ -370,26 +370,17 @@ def test_a_failed_write_on_rank_0_is_raised_on_every_rank_at_once(fault, tmp_pat
     """Rank 0 alone writes meta.pt and renames the folder: when that fails, every rank raises
     CheckpointWriteError naming the folder at once (the outcome is broadcast), where rank 1 once
     waited at a barrier until the process-group timeout (5 min here; the runs get 90 s)."""
-    import subprocess
-    import time
 
-    from tests.cli_runs import cli_env
+    from tests.cli_runs import cli_env, free_port, run_together
 
     script = tmp_path / "save.py"
     script.write_text(_RANK_SAVES)
     last = tmp_path / "checkpoints" / "last.ckpt"
-    env = cli_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 2000 + (fault == "rename")))
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(last), fault], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in (0, 1)]
-    deadline, outs = time.monotonic() + 90, []
-    try:
-        for proc in procs:
-            outs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    finally:
-        for proc in procs:
-            proc.kill()
-    for rank, (proc, out) in enumerate(zip(procs, outs)):
-        assert proc.returncode == 3, f"rank {rank}:\n{out[-3000:]}"
+    env = cli_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    done = run_together([[sys.executable, str(script), str(rank), str(last), fault] for rank in (0, 1)], 90,
+                        envs=[env, env])
+    for rank, (code, out) in enumerate(done):
+        assert code == 3, f"rank {rank}:\n{out[-3000:]}"
         assert f"rank {rank} raised" in out and str(last) in out and "No space left" in out, out[-3000:]
         assert "the previous checkpoint there is unchanged" in out
     assert inspect_checkpoint(str(last)) == (1, None)

@@ -18,10 +18,8 @@ import csv
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,42 +32,28 @@ import yaml
 from mmssl.callbacks.rng_state import RNGState, collect_rng_states, set_rng_states
 from mmssl.cli import ContinuedCSVLogger, main, resume_checkpoint
 from mmssl.data.demo import DemoData
-from tests.cli_runs import cli_env, last_metrics
+from tests.cli_runs import cli_env, free_port, last_metrics, run_together
 from tests.data.shard_helpers import write_shards_with_bad
 
 REPO = Path(__file__).resolve().parents[2]
 MICRO_CLIP = str(REPO / "configs" / "models" / "clip_micro.json")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(args: list[str], cwd: Path, timeout: float, ranks: int = 1) -> list[subprocess.CompletedProcess]:
     """``python -m mmssl ARGS`` as ``ranks`` processes started together, as a launcher would (with
     ``LOCAL_RANK`` etc. set, Lightning starts no process of its own), each in its own process
-    group; all are killed if they outlive ``timeout`` seconds, so a hang fails instead of blocking."""
+    group; all are killed if they outlive ``timeout`` seconds, so a hang fails instead of blocking
+    (:func:`tests.cli_runs.run_together`: output through files, never an unread pipe)."""
     env = cli_env()
     if ranks > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
-    procs = [subprocess.Popen([sys.executable, "-m", "mmssl", *args], cwd=cwd, text=True,
-                              env={**env, **({"LOCAL_RANK": str(rank)} if ranks > 1 else {})},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-             for rank in range(ranks)]
-    deadline, outputs = time.monotonic() + timeout, []
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(ranks), NODE_RANK="0")
+    command = [sys.executable, "-m", "mmssl", *args]
     try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"mmssl {args[0]} on {ranks} process(es) did not finish in {timeout} s (hang?)")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, "") for p, out in zip(procs, outputs)]
+        done = run_together([command] * ranks, timeout, cwd=cwd,
+                            envs=[{**env, **({"LOCAL_RANK": str(rank)} if ranks > 1 else {})} for rank in range(ranks)])
+    except AssertionError as err:
+        pytest.fail(f"mmssl {args[0]} on {ranks} process(es): {err}")
+    return [subprocess.CompletedProcess(command, code, out, "") for code, out in done]
 
 
 def _config(tmp_path: Path, root: Path, demo: DemoData, batch_size: int, workers: int, max_steps: int,
