@@ -216,7 +216,8 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         check_parts(built, self.model, model_name)
         for objective in built.values():
             objective.bind(self.model)
-        # Objectives hold no parameter or persistent state: the checkpoint keys stay the model's.
+        # Objectives hold no persistent state; only SigLIP 2's late terms hold parameters (their heads and
+        # mask token, under objectives.<name>.*), so without them the checkpoint keys stay the model's.
         self.objectives: Mapping[str, Objective] = nn.ModuleDict(built)
         # An objective that reads the joint forward (a decoder over the image tokens) runs it.
         self._joint = any(o.joint and o.weight > 0 for o in built.values())

@@ -2,8 +2,10 @@
 captioning, self-distillation and masked prediction against the EMA callback's teacher, local crops
 from the data module) on 2 gloo ranks trains what one process trains, the two late terms switching
 on at the configured fraction of the run on both (tests.cli_runs.lockstep_runs: one global batch of
-the same 8 samples an epoch, SGD). Sinkhorn-Knopp's sums are all-reduced, so the teacher's targets
-are those of the global batch on both."""
+the same 8 samples an epoch, SGD, no shuffle within a rank: the masks are drawn per sample by its
+index in the global batch). Sinkhorn-Knopp's sums are all-reduced, so the teacher's targets are
+those of the global batch on both; the masked term's mean is over every rank's patches (dropping
+its world-size factor fails here)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from tests.cli_runs import REPO, last_metrics, lockstep_runs
 
 STEPS = 4
 LATE = ("self_distill", "masked_features")
+HEAD = "out_dim: 256, hidden_dim: 128, bottleneck_dim: 64"  # configs/demo/siglip2.yaml's
 
 
 def _terms(run) -> dict[str, dict[int, float]]:
@@ -29,7 +32,12 @@ def _terms(run) -> dict[str, dict[int, float]]:
 def test_siglip2_on_two_ranks_trains_what_one_process_trains(tmp_path, tiny_coca_json):
     runs = lockstep_runs(tmp_path, str(REPO / "configs/demo/siglip2.yaml"), lambda processes: [
         f"--model.init_args.model_name={tiny_coca_json}",
-        *(f"--model.init_args.objectives.{name}.start=0.5" for name in LATE),  # from step 2 of 4
+        # A flag on one key of an objective replaces its whole mapping: the demo's head sizes again.
+        *(f"--model.init_args.objectives.{name}={{start: 0.5, weight: {weight}, {HEAD}}}"  # from step 2 of 4
+          for name, weight in zip(LATE, (0.25, 0.0625))),
+        # The masks are drawn per sample by its index in the global batch: one process must see the
+        # 8 samples in the order of the ranks' batches put end to end, so no shuffle within a rank.
+        "--data.init_args.shuffle_buffer=1",
         f"--trainer.max_steps={STEPS}", f"--trainer.max_epochs={STEPS}", "--trainer.log_every_n_steps=1",
         "--trainer.val_check_interval=1.0", f"--trainer.check_val_every_n_epoch={STEPS}",
     ])
