@@ -509,6 +509,15 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         return {name: objective(out, batch, objective.weight_at(step, total))
                 for name, objective in self._present().items()}
 
+    def sharding_refusal(self) -> Optional[str]:
+        """Why this model cannot be sharded with FSDP2: LoRA's reason, else the first objective in
+        use that refuses it (``Objective.unsharded``), naming its key."""
+        refusal = super().sharding_refusal()
+        if refusal:
+            return refusal
+        return next((f"model.init_args.objectives.{name}: {o.unsharded}" for name, o in self._present().items()
+                     if o.weight > 0 and o.unsharded), None)
+
     def _present(self) -> dict[str, Objective]:
         """The objectives whose parts the module has (a 0-weighted one too: it runs, weighted 0, and
         its validation figures are still logged), in order."""

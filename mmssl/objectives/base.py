@@ -58,6 +58,9 @@ class Objective(nn.Module, abc.ABC):
     inputs: ClassVar[tuple[str, ...]] = ()  # what its prepare returns for the host's forward, by keyword
     joint: ClassVar[bool] = False
     chunked: ClassVar[bool] = True  # False: it reads the whole batch's outputs at once (no GradCache)
+    # Why the objective cannot train a model sharded by FSDP2 yet, or None: refused at start-up
+    # (the host's ``sharding_refusal``, :func:`mmssl.sharding.shard_model`) rather than a crash at a step.
+    unsharded: ClassVar[Optional[str]] = None
 
     def __init__(self, weight: float = 1.0, start: Union[int, float] = 0) -> None:
         super().__init__()

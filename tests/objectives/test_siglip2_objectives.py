@@ -224,6 +224,26 @@ def test_a_run_without_the_ema_or_the_local_crops_is_refused_at_start_up(siglip2
     siglip2._trainer = None
 
 
+def test_fsdp2_is_refused_at_start_up_naming_the_objective(siglip2, tiny_coca_json):
+    """Under FSDP2 the EMA teacher's copy and the heads run outside the sharded forward and their
+    all-gathers do not pair up across ranks (a gloo size mismatch at the first step): refused at
+    start-up in one line naming the key instead; an objective weighted 0 is no reason."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from mmssl.sharding import shard_model
+
+    with pytest.raises(ValueError, match=r"CLIP under ModelParallelStrategy \(FSDP2\): "
+                       r"model.init_args.objectives.self_distill: the EMA teacher .* train it with DDP"):
+        shard_model(siglip2, SimpleNamespace(strategy=ModelParallelStrategy()))
+    only_masked = CLIP(model_name=tiny_coca_json, loss="siglip",
+                       objectives={"self_distill": {"weight": 0.0}, "masked_features": HEAD})
+    assert only_masked.sharding_refusal().startswith("model.init_args.objectives.masked_features: ")
+    plain = CLIP(model_name=tiny_coca_json, loss="siglip", objectives={"self_distill": {"weight": 0.0}})
+    assert plain.sharding_refusal() is None
+
+
 def test_refused_options(tiny_coca_json):
     with pytest.raises(ConfigError, match=r"objectives\.masked_features: FLIP drops"):
         CLIP(model_name=tiny_coca_json, loss="siglip", flip={"mask_ratio": 0.5},
