@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import errno
+import json
 import os
 import re
 import sys
@@ -139,6 +140,7 @@ class MMSSLCLI(LightningCLI):
             sections = {key: renamed_args(callback) for key, callback in ALWAYS_ON.items()}
             given = list(sys.argv[1:] if args is None else args)
             upgraded = upgrade_command_line(given, renames, _read_yaml, yaml.safe_dump, sections)
+            upgraded = merge_objective_flags(parser, upgraded)
             if args is None:
                 # LightningCLI reads sys.argv itself (and warns when given both); the ranks it starts
                 # read it too, so they parse the same upgraded command line.
@@ -211,6 +213,73 @@ class MMSSLCLI(LightningCLI):
         # must see its correction of the logging step.
         trainer.callbacks.sort(key=lambda callback: not isinstance(callback, LogStepOnResume))
         return trainer
+
+
+_OBJECTIVE_FLAG = re.compile(r"--model\.(?:init_args\.)?objectives\.([A-Za-z_]\w*)\.([A-Za-z_][\w.]*)$")
+_OBJECTIVES_WHOLE = re.compile(r"--model\.(?:init_args\.)?objectives(?:\.([A-Za-z_]\w*))?$")
+
+
+def objective_flags(args: Sequence[str]) -> dict[int, tuple[str, list[str], str]]:
+    """The command line's flags that set one option of one objective (``--model.init_args.
+    objectives.NAME.KEY=VALUE`` or ``... VALUE``; ``init_args.`` may be left out), by position:
+    ``{index: (NAME, KEY's parts, VALUE)}``, the value's own argument included when it is separate.
+    A flag followed later by one giving NAME's (or every objective's) whole mapping is not listed:
+    that one replaces it."""
+    found: dict[int, tuple[str, list[str], str]] = {}
+    skip: set[int] = set()
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        whole = _OBJECTIVES_WHOLE.match(flag)
+        if whole:  # NAME's mapping (or all of them) given whole: earlier one-option flags give way
+            for j in [j for j, (name, _, _) in found.items() if whole.group(1) in (None, name)]:
+                found.pop(j)
+                skip.discard(j + 1)
+            continue
+        match = _OBJECTIVE_FLAG.match(flag)
+        if match and (eq or i + 1 < len(args)):
+            found[i] = (match.group(1), match.group(2).split("."), value if eq else args[i + 1])
+            if not eq:
+                skip.add(i + 1)
+    return {**found, **{j: found[j - 1] for j in skip if j - 1 in found}}
+
+
+def merge_objective_flags(parser: Any, args: list[str]) -> list[str]:
+    """The command line with each ``--model.init_args.objectives.NAME.KEY=VALUE`` merged into NAME's
+    options from the configs, given as NAME's whole mapping (``--model.init_args.objectives.NAME=
+    {...}``, at the place of NAME's last such flag).
+
+    jsonargparse would set NAME's mapping to ``{KEY: VALUE}``, dropping what the configs gave NAME
+    (its weight, head sizes): the run would train with defaults the user never chose. The configs'
+    options are read by parsing the command line without these flags (and without
+    ``--print_config``), so ``--print_config`` and the ranks Lightning starts see the merged
+    mapping. Options not of NAME and later whole-mapping flags are untouched.
+    """
+    flags = objective_flags(args)
+    if not flags:
+        return args
+    base_args = [a for i, a in enumerate(args) if i not in flags and not a.startswith("--print_config")]
+    base = parser.parse_args(base_args)
+    init = base[base["subcommand"]].model.init_args
+    merged = {name: dict(options or {}) for name, options in (init.get("objectives") or {}).items()}
+    last: dict[str, int] = {}
+    for index in sorted(flags):
+        if not args[index].startswith("--"):
+            continue  # a separate value
+        name, path, value = flags[index]
+        options = merged[name] = dict(merged.get(name) or {})
+        *parents, leaf = path
+        for key in parents:
+            options = options.setdefault(key, {})
+        options[leaf] = yaml.safe_load(value)
+        last[name] = index
+    place = {index: name for name, index in last.items()}
+    out = []
+    for i, arg in enumerate(args):
+        if i in place:
+            out.append(f"--model.init_args.objectives.{place[i]}={json.dumps(merged[place[i]])}")
+        elif i not in flags:
+            out.append(arg)
+    return out
 
 
 def _read_yaml(path: str) -> Any:
