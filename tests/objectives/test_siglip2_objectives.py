@@ -83,6 +83,33 @@ def test_sinkhorn_knopp_on_two_ranks_is_one_process_on_their_rows(monkeypatch):
     assert not torch.allclose(sinkhorn_knopp(logits[:4], 0.5), whole[:4], atol=1e-3)  # the global batch counts
 
 
+@pytest.mark.parametrize("name", ["self_distill", "masked_features"])
+def test_a_training_step_centres_the_teachers_targets_over_every_rank_and_validation_over_its_own(
+        name, siglip2, monkeypatch):
+    """Under DDP the teacher's targets of a training step are Sinkhorn-Knopp over the global batch
+    (its sums all-reduced); a validation batch, which another rank may not have, is centred alone
+    (no collective). Counted on one process posing as a rank of a group: the all-reduces each
+    prepare makes."""
+    import mmssl.objectives.masked_features as masked_module
+    import mmssl.objectives.self_distill as self_distill_module
+
+    calls = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, *a, **k: calls.append(tensor.shape))
+    for module in (self_distill_module, masked_module):
+        monkeypatch.setattr(module, "is_distributed", lambda: True)
+    objective = siglip2.objectives[name]
+    generator = torch.Generator().manual_seed(5)
+    batch = {"image": torch.randn(2, 3, 32, 32, generator=generator), "text": torch.randint(1, 99, (2, 16)),
+             "local_crops": torch.randn(2, 2, 3, 32, 32, generator=generator)}
+    uniforms = torch.rand(2, objective.draws(batch, True), generator=generator)
+    calls.clear()
+    objective.prepare(siglip2, batch, uniforms, training=True)
+    assert len(calls) >= 3, calls  # the total, then a column sum at each of the 3 iterations
+    calls.clear()
+    objective.prepare(siglip2, batch, uniforms, training=False)
+    assert calls == []
+
+
 def test_the_dino_head_is_cosines_to_normalised_prototypes():
     torch.manual_seed(0)
     head = DINOHead(5, 7, hidden_dim=6, bottleneck_dim=3)
