@@ -33,9 +33,10 @@ from torchmetrics import MeanMetric
 
 from mmssl.distributed import is_distributed, world_size
 from mmssl.errors import ConfigError
-from mmssl.objectives.base import Objective, register
+from mmssl.objectives.base import register
 from mmssl.objectives.self_distill import (
     DINOHead,
+    RowsObjective,
     distill_cross_entropy,
     find_teacher,
     image_width,
@@ -46,7 +47,7 @@ from mmssl.objectives.self_distill import (
 
 
 @register
-class MaskedFeatures(Objective):
+class MaskedFeatures(RowsObjective):
     """TIPS's masked prediction of the EMA teacher's patch features (see the module docstring).
 
     Args:
@@ -136,11 +137,3 @@ class MaskedFeatures(Objective):
             dist.all_reduce(total)  # every rank's masked patches
         return weight * rows.sum() * world_size() / total  # mean over ranks: the global patch mean
 
-    def validation(self, out: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> Tensor:
-        rows = self.rows(out, batch)
-        loss = rows.mean()
-        self.val_loss.update(loss.detach(), weight=rows.numel())
-        return loss
-
-    def log_validation(self, module: Any) -> None:
-        module.log("val/masked_features_loss", self.val_loss)  # the unweighted mean over masked patches

@@ -36,6 +36,7 @@ A run without the EMA callback is refused at start-up (:meth:`SelfDistillation.c
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -175,8 +176,27 @@ def image_width(model: nn.Module, name: str, what: str) -> int:
     return int(visual.output_dim) if what == "pooled" else int(visual.positional_embedding.shape[-1])
 
 
+class RowsObjective(Objective):
+    """An objective whose term is the mean of a per-row loss (:meth:`rows`: a crop's, a masked
+    patch's): its validation figure is ``val/<name>_loss``, the unweighted mean over every row of
+    the set (each batch weighted by its rows, summed over ranks)."""
+
+    @abc.abstractmethod
+    def rows(self, out: Mapping[str, Any], batch: Mapping[str, Tensor]) -> Tensor:
+        """(N,) the loss of each row of the batch."""
+
+    def validation(self, out: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> Tensor:
+        rows = self.rows(out, batch)
+        loss = rows.mean()
+        self.val_loss.update(loss.detach(), weight=rows.numel())
+        return loss
+
+    def log_validation(self, module: Any) -> None:
+        module.log(f"val/{self.name}_loss", self.val_loss)
+
+
 @register
-class SelfDistillation(Objective):
+class SelfDistillation(RowsObjective):
     """SILC's local-to-global consistency: local crops of the student against the EMA teacher's view
     of the whole image (see the module docstring for the values and their sources).
 
@@ -247,14 +267,6 @@ class SelfDistillation(Objective):
         # Every rank has the same number of crops: the mean over ranks is the global batch's mean.
         return weight * self.rows(out, batch).mean()
 
-    def validation(self, out: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> Tensor:
-        rows = self.rows(out, batch)
-        loss = rows.mean()
-        self.val_loss.update(loss.detach(), weight=rows.numel())
-        return loss
-
-    def log_validation(self, module: Any) -> None:
-        module.log("val/self_distill_loss", self.val_loss)  # the unweighted mean over crops
 
 
 def check_fields(name: str, fields: Mapping[str, str], trainer: Any) -> None:
