@@ -37,6 +37,7 @@ from mmssl.objectives.base import register
 from mmssl.objectives.self_distill import (
     DINOHead,
     RowsObjective,
+    check_head,
     distill_cross_entropy,
     find_teacher,
     image_width,
@@ -80,12 +81,7 @@ class MaskedFeatures(RowsObjective):
         key = f"model.init_args.objectives.{self.name}"
         if not 0.0 < mask_ratio < 1.0:
             raise ConfigError(f"{key}.mask_ratio: in (0, 1), got {mask_ratio!r}")
-        for option, value in (("out_dim", out_dim), ("hidden_dim", hidden_dim), ("bottleneck_dim", bottleneck_dim)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{key}.{option}: an integer >= 1, got {value!r}")
-        for option, value in (("student_temp", student_temp), ("teacher_temp", teacher_temp)):
-            if not value > 0:
-                raise ConfigError(f"{key}.{option}: a temperature > 0, got {value!r}")
+        check_head(key, out_dim, hidden_dim, bottleneck_dim, student_temp, teacher_temp)
         self.mask_ratio = mask_ratio
         self.head_dims = (out_dim, hidden_dim, bottleneck_dim)
         self.student_temp, self.teacher_temp = student_temp, teacher_temp

@@ -176,6 +176,17 @@ def image_width(model: nn.Module, name: str, what: str) -> int:
     return int(visual.output_dim) if what == "pooled" else int(visual.positional_embedding.shape[-1])
 
 
+def check_head(key: str, out_dim: int, hidden_dim: int, bottleneck_dim: int, student_temp: float,
+               teacher_temp: float) -> None:
+    """Refuse a DINO head's size that is no integer >= 1, or a temperature <= 0, naming ``key.option``."""
+    for option, value in (("out_dim", out_dim), ("hidden_dim", hidden_dim), ("bottleneck_dim", bottleneck_dim)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{key}.{option}: an integer >= 1, got {value!r}")
+    for option, value in (("student_temp", student_temp), ("teacher_temp", teacher_temp)):
+        if not value > 0:
+            raise ConfigError(f"{key}.{option}: a temperature > 0, got {value!r}")
+
+
 class RowsObjective(Objective):
     """An objective whose term is the mean of a per-row loss (:meth:`rows`: a crop's, a masked
     patch's): its validation figure is ``val/<name>_loss``, the unweighted mean over every row of
@@ -227,12 +238,7 @@ class SelfDistillation(RowsObjective):
                  teacher_temp: float = 0.07) -> None:
         super().__init__(weight, start)
         key = f"model.init_args.objectives.{self.name}"
-        for option, value in (("out_dim", out_dim), ("hidden_dim", hidden_dim), ("bottleneck_dim", bottleneck_dim)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{key}.{option}: an integer >= 1, got {value!r}")
-        for option, value in (("student_temp", student_temp), ("teacher_temp", teacher_temp)):
-            if not value > 0:
-                raise ConfigError(f"{key}.{option}: a temperature > 0, got {value!r}")
+        check_head(key, out_dim, hidden_dim, bottleneck_dim, student_temp, teacher_temp)
         self.head_dims = (out_dim, hidden_dim, bottleneck_dim)
         self.student_temp, self.teacher_temp = student_temp, teacher_temp
         self.head: Optional[DINOHead] = None  # built in bind, from the image tower's width
