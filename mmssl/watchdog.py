@@ -268,9 +268,16 @@ class RankWatchdog:
             faulthandler.dump_traceback(file=f, all_threads=True)
         files = {pid: name for name in os.listdir(self.folder) for pid in pids
                  if name.startswith(f"rank{self.rank}-worker") and name.endswith(f"-{pid}.txt")}
-        deadline = time.time() + 2
-        while time.time() < deadline and not all(os.path.getsize(self._path(n)) for n in files.values()):
-            time.sleep(0.1)
+        # faulthandler writes a worker's threads one after another, the main thread (where a stalled
+        # dataset is) last: copy once every file is non-empty and has stopped growing, not at its
+        # first bytes (a worker with a thread of its own was copied with that thread's stack only).
+        deadline, sizes = time.time() + 5, None
+        while time.time() < deadline:
+            now = {n: _size(self._path(n)) for n in files.values()}
+            if all(now.values()) and now == sizes:
+                break
+            sizes = now
+            time.sleep(0.2)
         for name in files.values():
             shutil.copyfile(self._path(name), os.path.join(self.stacks, name.rsplit("-", 1)[0] + ".txt"))
         os.replace(part, os.path.join(self.stacks, f"rank{self.rank}.txt"))
@@ -368,6 +375,13 @@ def worker_started(rank: int, folder: Optional[str], worker_id: int) -> None:
 
 
 _WORKER_FILES: list = []
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _alive(pid: int) -> bool:

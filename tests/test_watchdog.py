@@ -107,6 +107,38 @@ def test_a_stalled_worker_ends_the_run_naming_it_with_every_stack_on_disk(tmp_pa
     assert not any(_running(int(p)) for p in pids.split(",")), pids
 
 
+def test_a_workers_stacks_are_copied_once_its_dump_is_whole(tmp_path, monkeypatch):
+    """A worker with a thread of its own (CI's stack-dump timer; a user's dataset) dumps that thread
+    first and its main thread, where the stall is, last. The copy waited only for the file's first
+    bytes and once kept the timer's stack alone (a full-suite CI run): it waits for the whole dump."""
+    dog = RankWatchdog(str(tmp_path / "run"), 0, 1, timeout_s=1000)
+    os.makedirs(dog.folder)
+    worker = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                               "signal.signal(signal.SIGUSR1, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "1"
+        dump = Path(dog.folder) / f"rank0-worker0-{worker.pid}.txt"
+        dump.write_text("Thread 0x1 (most recent call first):\n  File \"threading.py\", line 1 in run\n\n")
+        dog.workers[0] = [worker.pid]
+        sleep = time.sleep
+
+        def the_worker_goes_on(seconds: float) -> None:  # its main thread's stack lands a moment later
+            if "stalled_in_the_worker" not in dump.read_text():
+                with open(dump, "a") as f:
+                    f.write("Current thread 0x2 (most recent call first):\n  File \"x.py\", line 2 in "
+                            "stalled_in_the_worker\n")
+            sleep(seconds)
+
+        monkeypatch.setattr(time, "sleep", the_worker_goes_on)
+        dog.dump_stacks()
+    finally:
+        worker.kill()
+        worker.wait()
+    copied = (tmp_path / "run" / "hang" / "rank0-worker0.txt").read_text()
+    assert copied == dump.read_text() and "stalled_in_the_worker" in copied, copied
+
+
 def _running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
