@@ -322,6 +322,15 @@ def mae_loss(
     Returns:
         Scalar loss: the per-patch mean squared error averaged over masked patches.
     """
+    loss = mae_patch_losses(target, pred, norm_pix_loss, eps)  # (B, L)
+    mask = mask.to(loss.dtype)
+    return (loss * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def mae_patch_losses(target: torch.Tensor, pred: torch.Tensor, norm_pix_loss: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """(B, L, p*p*C) true and predicted pixels -> (B, L) each patch's mean squared error, the target
+    patch normalised by its own mean and variance with ``norm_pix_loss`` (see :func:`mae_loss`)."""
     if target.shape != pred.shape:
         raise ValueError(f"mae_loss: target {tuple(target.shape)} and pred {tuple(pred.shape)} differ")
     target = target.float()
@@ -329,6 +338,4 @@ def mae_loss(
         mean = target.mean(dim=-1, keepdim=True)  # (B, L, 1)
         var = target.var(dim=-1, keepdim=True)  # unbiased, as MAE's torch.var
         target = (target - mean) / (var + eps) ** 0.5
-    loss = (pred.float() - target).pow(2).mean(dim=-1)  # (B, L) per-patch MSE
-    mask = mask.to(loss.dtype)
-    return (loss * mask).sum() / mask.sum().clamp_min(1.0)
+    return (pred.float() - target).pow(2).mean(dim=-1)  # (B, L) per-patch MSE

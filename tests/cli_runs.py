@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 # A desynchronised collective must fail fast: the process-group timeout of test runs. Two minutes:
@@ -194,7 +194,7 @@ def run_tool(name: str, args: list[str], monkeypatch) -> int:
 SGD = '{"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.9}}'
 
 
-def lockstep_runs(folder: Path, config: str, args_for) -> dict[int, tuple[dict, Path]]:
+def lockstep_runs(folder: Path, config: str, args_for, fsdp2: bool = False) -> dict[Any, tuple[dict, Path]]:
     """``mmssl fit --config CONFIG`` on 2 gloo ranks (batch 4 each) and on one process (batch 8)
     over an 8-sample demo set: every epoch is ONE global batch of the same 8 samples in both runs
     (mmssl.data.plan deals contiguous runs and shuffles within a rank), so both take the same
@@ -204,10 +204,11 @@ def lockstep_runs(folder: Path, config: str, args_for) -> dict[int, tuple[dict, 
         folder: the test's tmp_path (the demo set and each run's folder go under it).
         config: the recipe, before ``configs/trainer/ddp_cpu.yaml`` on 2 ranks.
         args_for: processes -> that run's own flags (model, trainer length, validation, ...).
+        fsdp2: also on 2 ranks under FSDP2 (``configs/trainer/fsdp2_cpu.yaml``), key ``"fsdp2"``.
 
     Returns:
-        processes -> (rank 0's parameters at the end, its run folder ``runs/version_0``); the ranks
-        of the 2-process run are checked equal.
+        processes (or ``"fsdp2"``) -> (rank 0's parameters at the end, its run folder
+        ``runs/version_0``); the ranks of a 2-process run are checked equal.
     """
     import torch
 
@@ -215,10 +216,12 @@ def lockstep_runs(folder: Path, config: str, args_for) -> dict[int, tuple[dict, 
 
     demo = ensure_demo_data(str(folder / "demo"), num_train=8, num_val=16, shard_size=8, image_size=32)
     runs = {}
-    for processes in (2, 1):
-        here = folder / f"p{processes}"
+    for run in ((2, "fsdp2", 1) if fsdp2 else (2, 1)):
+        processes = 1 if run == 1 else 2
+        here = folder / f"p{run}"
         here.mkdir()
-        ddp = ["--config", str(REPO / "configs/trainer/ddp_cpu.yaml"), PG_TIMEOUT] if processes == 2 else []
+        trainer = {2: "ddp_cpu", "fsdp2": "fsdp2_cpu"}.get(run)
+        ddp = ["--config", str(REPO / f"configs/trainer/{trainer}.yaml"), PG_TIMEOUT] if trainer else []
         args = [
             "fit", "--config", config, *ddp, *args_for(processes),
             "--model.init_args.warmup_steps=1", f"--model.init_args.optimizer={SGD}",
@@ -236,5 +239,5 @@ def lockstep_runs(folder: Path, config: str, args_for) -> dict[int, tuple[dict, 
         params = [torch.load(here / "params" / f"rank{r}.pt") for r in range(processes)]
         for name in params[0]:
             torch.testing.assert_close(params[-1][name], params[0][name], rtol=0, atol=0, msg=name)
-        runs[processes] = (params[0], here / "runs" / "version_0")
+        runs[run] = (params[0], here / "runs" / "version_0")
     return runs

@@ -33,7 +33,7 @@ from mmssl.models.gradcache import cached_features
 from mmssl.models.lit import init_image_tower
 from mmssl.models.locking import LOCK_RENAMES, LockOptions, lock_towers
 from mmssl.models.lora import CLIP_TRAINABLE, LoraCheckpoint, clip_towers, enable_lora
-from mmssl.models.masking import random_masking, sample_noise
+from mmssl.models.masking import gather_tokens, patchify, random_masking, sample_noise
 from mmssl.models.memory import apply_memory_options
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
     OPEN_CLIP_NO_DECAY,
@@ -381,14 +381,16 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
                 zip(out["image_intermediates_prefix"], out["image_intermediates"])]
 
     def forward(self, images: Tensor, tokens: Tensor, local_crops: Optional[Tensor] = None,
-                patch_mask: Optional[Tensor] = None, teacher_targets: bool = False) -> dict[str, Any]:
+                patch_mask: Optional[Tensor] = None, teacher_targets: bool = False,
+                mae_noise: Optional[Tensor] = None) -> dict[str, Any]:
         """The step's outputs (below), with what the image-only objectives read
         (:mod:`mmssl.objectives.self_distill`, :mod:`mmssl.objectives.masked_features`), through this
         one forward so that a sharded model gathers its weights as for any step: ``local_crops``
         (B, n, 3, H, W) adds ``local_features`` (B * n, E) (the unnormalised image embeddings of
         the crops, sample-major); ``patch_mask`` (B, L) bool adds ``masked_patches`` (B, L, D)
         (:meth:`masked_patch_tokens`); ``teacher_targets`` returns only the image tower's
-        ``pooled`` (B, E) and ``patches`` (B, L, D) of ``images`` (what an EMA teacher gives).
+        ``pooled`` (B, E) and ``patches`` (B, L, D) of ``images`` (what an EMA teacher gives);
+        ``mae_noise`` (B, L) adds MAE's reconstruction (:meth:`masked_reconstruction`).
 
         Otherwise returns ``image_features`` (B, D), ``text_features`` (B, D), ``logit_scale`` () and,
         for SigLIP, ``logit_bias`` (): open_clip's ``output_dict`` (scale already exponentiated);
@@ -406,6 +408,8 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
             out["local_features"] = self.encode_image(local_crops.flatten(0, 1), normalize=False)  # (B * n, E)
         if patch_mask is not None:
             out["masked_patches"] = self.masked_patch_tokens(images, patch_mask)
+        if mae_noise is not None:
+            out.update(self.masked_reconstruction(images, mae_noise))
         return out
 
     def _pair_forward(self, images: Tensor, tokens: Tensor) -> dict[str, Any]:
@@ -460,6 +464,33 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         finally:
             handle.remove()
         return out["image_intermediates"][-1]
+
+    def masked_reconstruction(self, images: Tensor, noise: Tensor) -> dict[str, Tensor]:
+        """MAE on the image tower (:mod:`mmssl.objectives.masked_image`): (B, 3, H, W) images and (B, L)
+        uniforms -> ``mae_pred`` and ``mae_target`` (B, L, p*p*3), the decoder's and the true pixels
+        of every patch, and ``mae_mask`` (B, L), 1 where a patch was masked (MAE's random masking of
+        ``noise``, the smallest kept). The tower runs on its class token and the visible patches,
+        dropped at the input of ``ln_pre`` (after the position embedding), its final norm on every
+        token (MAE's encoder); the decoder is read here, inside the forward, so a sharded module uses
+        its gathered weights."""
+        objective = next(o for o in self.objectives.values() if getattr(o, "decoder", None) is not None)
+        masking = random_masking(noise.unsqueeze(-1), objective.mask_ratio, noise=noise)
+        visual = self.model.visual
+
+        def keep(module: nn.Module, args: tuple) -> tuple:
+            x = args[0]  # (B, 1 + L, D) after the position embedding
+            return (torch.cat([x[:, :1], gather_tokens(x[:, 1:], masking.ids_keep)], dim=1), *args[1:])
+
+        handle = visual.ln_pre.register_forward_pre_hook(keep)
+        try:
+            out = visual.forward_intermediates(images, indices=1, normalize_intermediates=self._patch_norm(),
+                                               intermediates_only=True, output_fmt="NLC", output_extra_tokens=True)
+        finally:
+            handle.remove()
+        tokens = torch.cat([out["image_intermediates_prefix"][-1], out["image_intermediates"][-1]], dim=1)
+        patch = int(visual.patch_size[0])
+        return {"mae_pred": objective.decoder(tokens, masking.ids_restore), "mae_mask": masking.mask,
+                "mae_target": patchify(images, patch)}
 
     def _encode_pair(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """(b, 3, H, W), (b, L) -> (b, D) image and (b, D) text features: one GradCache chunk."""

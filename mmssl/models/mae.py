@@ -24,6 +24,7 @@ from mmssl.losses import mae_loss
 from mmssl.models.masking import Masking, patchify, sample_noise, unpatchify
 from mmssl.models.memory import compile_blocks, compile_options, run_blocks
 from mmssl.models.vit import LayerNorm, MaskedViT, init_vit_weights, load_encoder, sincos_pos_embed_2d
+from mmssl.objectives.base import register_part
 from mmssl.optim import (
     NDIM_LT_2,
     build_optimizer,
@@ -62,6 +63,7 @@ def mae_adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1.5e-4, betas=(0.9, 0.95), weight_decay=0.05)
 
 
+@register_part("mae_decoder")  # built by mmssl.objectives.masked_image on a contrastive model's image tower
 class MAEDecoder(nn.Module):
     """MAE's light decoder: mask tokens fill the removed positions, then blocks and a pixel head.
 

@@ -155,6 +155,34 @@ def register(cls: type[Objective]) -> type[Objective]:
     return cls
 
 
+PARTS: dict[str, type[nn.Module]] = {}  # name -> a model part an objective builds as its own head
+
+
+def register_part(name: str):
+    """Class decorator: ``cls`` becomes the part an objective builds by ``name`` (:func:`build_part`).
+
+    A part is what a model is (MAE's pixel decoder, in :mod:`mmssl.models`); an objective that
+    trains a model through a head of its own builds that head from the model's sizes in
+    :meth:`Objective.bind`. The models sit above the objectives in the layers, so they register
+    their parts here rather than the objectives importing them (timm's ``register_model`` likewise)."""
+    def add(cls: type[nn.Module]) -> type[nn.Module]:
+        PARTS[name] = cls
+        return cls
+    return add
+
+
+def build_part(name: str, key: str, **sizes: Any) -> nn.Module:
+    """The registered part ``name`` built with ``sizes``; a size it refuses raises
+    :class:`~mmssl.errors.ConfigError` naming the objective's ``key``."""
+    if name not in PARTS:  # registered when mmssl.models is imported, which every host does
+        raise RuntimeError(f"{key}: no model part {name!r} is registered (import mmssl.models first); known: "
+                           f"{sorted(PARTS)}")
+    try:
+        return PARTS[name](**sizes)
+    except ValueError as err:
+        raise ConfigError(f"{key}: {err}") from None
+
+
 def build_objectives(spec: Mapping[str, Optional[Mapping[str, Any]]], defaults: Mapping[str, Mapping[str, Any]],
                      key: str = "model.init_args.objectives") -> dict[str, Objective]:
     """The objectives of ``spec`` (name -> options, ``null``: the defaults) over ``defaults``, in

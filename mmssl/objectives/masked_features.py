@@ -27,11 +27,10 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from mmssl.distributed import is_distributed, world_size
+from mmssl.distributed import is_distributed
 from mmssl.errors import ConfigError
 from mmssl.objectives.base import register
 from mmssl.objectives.self_distill import (
@@ -127,9 +126,5 @@ class MaskedFeatures(RowsObjective):
         return distill_cross_entropy(student, batch["masked_features_targets"], self.student_temp)
 
     def forward(self, out: Mapping[str, Any], batch: Mapping[str, Tensor], weight: float) -> Tensor:
-        rows = self.rows(out, batch)
-        total = torch.tensor(float(rows.numel()), device=rows.device)
-        if is_distributed():
-            dist.all_reduce(total)  # every rank's masked patches
-        return weight * rows.sum() * world_size() / total  # mean over ranks: the global patch mean
+        return self.global_mean(self.rows(out, batch), weight)  # the global batch's patch mean
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from mmssl.distributed import is_distributed
+from mmssl.distributed import is_distributed, world_size
 from mmssl.errors import ConfigError
 from mmssl.objectives.base import Objective, register
 
@@ -204,6 +204,16 @@ class RowsObjective(Objective):
 
     def log_validation(self, module: Any) -> None:
         module.log(f"val/{self.name}_loss", self.val_loss)
+
+    @staticmethod
+    def global_mean(rows: Tensor, weight: float) -> Tensor:
+        """This rank's share of ``weight`` x the mean of ``rows`` over every rank's rows: its sum
+        over the global count, times the world size (DDP averages the ranks' gradients), so ranks of
+        unequal row counts train what one process trains on their concatenation."""
+        total = torch.tensor(float(rows.numel()), device=rows.device)
+        if is_distributed():
+            dist.all_reduce(total)  # every rank's rows
+        return weight * rows.sum() * world_size() / total
 
 
 @register

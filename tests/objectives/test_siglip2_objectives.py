@@ -202,7 +202,7 @@ def _step(model: CLIP, step: int):
 
 
 def test_before_their_start_the_terms_weigh_0_and_draw_and_run_alike(siglip2):
-    assert list(OBJECTIVES)[-2:] == ["self_distill", "masked_features"]  # the last terms and draws
+    assert list(OBJECTIVES)[-3:] == ["self_distill", "masked_features", "masked_image"]  # the last terms and draws
     before, batch_before = _step(siglip2, 4)  # start 0.5 of 10 steps: step 5
     after, batch_after = _step(siglip2, 5)
     assert before["self_distill"].item() == before["masked_features"].item() == 0.0

@@ -1,0 +1,171 @@
+"""MAE's masked-image reconstruction on CLIP's image tower (``objectives.masked_image``) in process:
+the term against MAE written out by hand on a tiny tower, the tower seeing the visible patches only,
+the mean over the global batch's masked patches on ranks of unequal batches, the 0 weight before
+the start, and what is refused at start-up. Through the CLI on 2 gloo ranks: test_masked_image_cli.py."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+
+from mmssl.errors import ConfigError
+from mmssl.losses import mae_loss
+from mmssl.models.clip import CLIP
+from mmssl.models.mae import MAEDecoder
+from mmssl.objectives import OBJECTIVES, MaskedImageModelling
+
+DECODER = {"decoder_embed_dim": 16, "decoder_depth": 1, "decoder_num_heads": 2}
+
+
+@pytest.fixture(scope="module")
+def clip_mae(tiny_clip_json) -> CLIP:
+    torch.manual_seed(0)
+    return CLIP(model_name=tiny_clip_json, objectives={"masked_image": {"start": 5, **DECODER}})
+
+
+def _attach(model: CLIP, step: int = 0, total: int = 10) -> None:
+    model._trainer = types.SimpleNamespace(global_step=step, estimated_stepping_batches=total, callbacks=[],
+                                           datamodule=None)
+
+
+def _batch(n: int = 3, seed: int = 3) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {"image": torch.randn(n, 3, 32, 32, generator=generator), "text": torch.randint(1, 99, (n, 16))}
+
+
+def _step(model: CLIP, step: int, batch: dict):
+    _attach(model, step)
+    try:
+        out, batch = model.step_forward(dict(batch), training=True)
+        return model.objective_terms(out, batch), out, batch
+    finally:
+        model._trainer = None
+
+
+def _by_hand(model: CLIP, images: torch.Tensor, noise: torch.Tensor, ratio: float) -> tuple[torch.Tensor, ...]:
+    """MAE (facebookresearch/mae models_mae.py) on open_clip's image tower, written out: embed the
+    patches, add the class token and the positions, keep the int(L x (1 - ratio)) patches of least
+    noise, ln_pre, the blocks, ln_post on every token, the decoder; the loss on the masked patches."""
+    visual, decoder = model.model.visual, model.objectives["masked_image"].decoder
+    batch, patch = images.shape[0], visual.patch_size[0]
+    x = visual.conv1(images).flatten(2).transpose(1, 2)  # (B, L, D), row-major patches
+    cls = visual.class_embedding.reshape(1, 1, -1).expand(batch, 1, -1)
+    x = torch.cat([cls, x], dim=1) + visual.positional_embedding
+    length = x.shape[1] - 1
+    keep = int(length * (1 - ratio))
+    order = noise.argsort(dim=1)
+    visible = torch.stack([x[b, 1:][order[b, :keep]] for b in range(batch)])
+    tokens = visual.ln_post(visual.transformer(visual.ln_pre(torch.cat([x[:, :1], visible], dim=1))))
+    pred = decoder(tokens, order.argsort(dim=1))
+    mask = torch.ones(batch, length)
+    for b in range(batch):
+        mask[b, order[b, :keep]] = 0
+    # Patch (i, j) of image b, flattened as (p, p, C): MAE's patchify.
+    grid = images.shape[-1] // patch
+    target = torch.stack([torch.stack([images[b, :, i * patch:(i + 1) * patch, j * patch:(j + 1) * patch]
+                                       .permute(1, 2, 0).reshape(-1) for i in range(grid) for j in range(grid)])
+                          for b in range(batch)])
+    return pred, target, mask
+
+
+def test_the_term_is_mae_on_the_image_tower_by_hand(clip_mae):
+    terms, out, batch = _step(clip_mae, 7, _batch())
+    pred, target, mask = _by_hand(clip_mae, batch["image"], batch["mae_noise"], 0.75)
+    torch.testing.assert_close(out["mae_pred"], pred, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out["mae_target"], target)
+    assert torch.equal(out["mae_mask"], mask) and mask.sum().item() == 3 * 12  # 75% of 16 patches
+    assert terms["masked_image"].item() == pytest.approx(mae_loss(target, pred, mask).item(), rel=1e-5)
+    # Per-patch normalised targets (MAE's norm_pix_loss): a patch's brightness and contrast do not count.
+    centred = (target - target.mean(-1, keepdim=True)) / (target.var(-1, keepdim=True) + 1e-6) ** 0.5
+    by_hand = ((pred - centred) ** 2).mean(-1)[mask.bool()].mean()
+    assert terms["masked_image"].item() == pytest.approx(by_hand.item(), rel=1e-5)
+
+
+def test_the_tower_sees_only_the_visible_patches(clip_mae):
+    """Repainting a masked patch changes its target and nothing the model predicts; repainting a
+    visible one changes the predictions."""
+    clip_mae.eval()
+    images = _batch(2)["image"]
+    noise = torch.rand(2, 16, generator=torch.Generator().manual_seed(1))
+    base = clip_mae.masked_reconstruction(images, noise)
+    masked = int(base["mae_mask"][0].nonzero()[0])
+    visible = int((base["mae_mask"][0] == 0).nonzero()[0])
+    for index, seen in ((masked, False), (visible, True)):
+        other = images.clone()
+        row, col = divmod(index, 4)  # a 4 x 4 grid of 8-pixel patches
+        other[0, :, 8 * row:8 * row + 8, 8 * col:8 * col + 8] = 5.0
+        again = clip_mae.masked_reconstruction(other, noise)
+        assert not torch.equal(again["mae_target"][0, index], base["mae_target"][0, index])
+        assert torch.equal(again["mae_pred"][1], base["mae_pred"][1])  # the other image
+        assert torch.equal(again["mae_pred"][0], base["mae_pred"][0]) != seen, (index, seen)
+    clip_mae.train()
+
+
+def test_ranks_of_unequal_batches_train_the_global_masked_patch_mean(monkeypatch):
+    """Two ranks as two threads (all_reduce a sum through a barrier): the ranks' terms average, as
+    DDP averages their gradients, to the mean over every masked patch of both, not to the mean of
+    the ranks' means."""
+    rows = [torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), torch.tensor([10.0, 20.0])]
+    barrier, slots, terms = threading.Barrier(2), {}, [None, None]
+
+    def all_reduce(tensor):
+        slots[threading.get_ident()] = tensor.clone()
+        barrier.wait()
+        total = sum(slots.values())
+        barrier.wait()
+        tensor.copy_(total)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr("mmssl.objectives.self_distill.is_distributed", lambda: True)
+    monkeypatch.setattr("mmssl.objectives.self_distill.world_size", lambda: 2)
+    threads = [threading.Thread(target=lambda r=r: terms.__setitem__(r, MaskedImageModelling.global_mean(rows[r], 0.5)))
+               for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert (terms[0] + terms[1]).item() / 2 == pytest.approx(0.5 * 51.0 / 8)
+
+
+def test_before_its_start_the_term_weighs_0_and_draws_and_runs_alike(clip_mae):
+    assert list(OBJECTIVES)[-1] == "masked_image"  # its draws after every other objective's
+    batch = _batch()
+    before, _, batch_before = _step(clip_mae, 4, batch)  # start: step 5
+    after, _, batch_after = _step(clip_mae, 5, batch)
+    assert before["masked_image"].item() == 0.0 and after["masked_image"].item() > 0
+    assert torch.equal(_step(clip_mae, 4, batch)[2]["mae_noise"], batch_before["mae_noise"])  # seeded by the step
+    assert not torch.equal(batch_after["mae_noise"], batch_before["mae_noise"])
+    clip_mae.zero_grad()
+    sum(before.values()).backward()  # in the graph before the start: DDP sees every parameter
+    decoder = [p for n, p in clip_mae.named_parameters()
+               if n.startswith("objectives.masked_image.") and p.requires_grad]
+    assert decoder and all(p.grad is not None and not p.grad.any() for p in decoder)
+    clip_mae.zero_grad()
+
+
+def test_the_decoder_is_maes_in_the_checkpoint_under_the_objective(clip_mae):
+    decoder = clip_mae.objectives["masked_image"].decoder
+    assert isinstance(decoder, MAEDecoder) and decoder.pred.out_features == 8 * 8 * 3
+    keys = clip_mae.state_dict().keys()
+    assert "objectives.masked_image.decoder.mask_token" in keys
+    assert not any(k.startswith("objectives.") for k in CLIP(model_name=clip_mae.hparams.model_name).state_dict())
+
+
+def test_refused_at_start_up(tiny_clip_json):
+    def build(**options):
+        return CLIP(model_name=tiny_clip_json, objectives={"masked_image": {**DECODER, **options}})
+
+    for options, message in (({"mask_ratio": 0.0}, r"masked_image.mask_ratio: in \(0, 1\)"),
+                             ({"mask_ratio": 1.0}, r"masked_image.mask_ratio: in \(0, 1\)"),
+                             ({"decoder_depth": 0}, "masked_image.decoder_depth: an integer >= 1"),
+                             ({"decoder_num_heads": 3}, "16 is not divisible by decoder_num_heads=3"),
+                             ({"patches": 3}, "masked_image: .*unexpected keyword")):
+        with pytest.raises(ConfigError, match=message):
+            build(**options)
+    with pytest.raises(ConfigError, match="masked_image: FLIP drops image patches .*flip.mask_ratio=0.5"):
+        CLIP(model_name=tiny_clip_json, flip={"mask_ratio": 0.5}, objectives={"masked_image": DECODER})
+    with pytest.raises(ConfigError, match=r"contrastive_chunk_size: the objective\(s\) \['masked_image'\]"):
+        CLIP(model_name=tiny_clip_json, contrastive_chunk_size=2, objectives={"masked_image": DECODER})
