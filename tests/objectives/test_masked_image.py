@@ -5,6 +5,7 @@ the start, and what is refused at start-up. Through the CLI on 2 gloo ranks: tes
 
 from __future__ import annotations
 
+import json
 import threading
 import types
 
@@ -16,6 +17,7 @@ from mmssl.losses import mae_loss
 from mmssl.models.clip import CLIP
 from mmssl.models.mae import MAEDecoder
 from mmssl.objectives import OBJECTIVES, MaskedImageModelling
+from tests.conftest import TINY_CLIP
 
 DECODER = {"decoder_embed_dim": 16, "decoder_depth": 1, "decoder_num_heads": 2}
 
@@ -105,10 +107,13 @@ def test_the_tower_sees_only_the_visible_patches(clip_mae):
 
 
 def test_ranks_of_unequal_batches_train_the_global_masked_patch_mean(monkeypatch):
-    """Two ranks as two threads (all_reduce a sum through a barrier): the ranks' terms average, as
-    DDP averages their gradients, to the mean over every masked patch of both, not to the mean of
-    the ranks' means."""
-    rows = [torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]), torch.tensor([10.0, 20.0])]
+    """Two ranks as two threads (all_reduce a sum through a barrier), 2 images on one and 1 on the
+    other: the ranks' terms average, as DDP averages their gradients, to the mean over every masked
+    patch of the 3 images, not to the mean of the ranks' means."""
+    objective = MaskedImageModelling(norm_pix_loss=False, **DECODER)
+    errors = [torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 6.0, 9.0]]), torch.tensor([[10.0, 20.0, 30.0, 9.0]])]
+    outs = [{"mae_pred": e.sqrt().unsqueeze(-1), "mae_target": torch.zeros(*e.shape, 1),
+             "mae_mask": torch.tensor([1.0, 1.0, 1.0, 0.0]).expand_as(e)} for e in errors]  # the 4th patch seen
     barrier, slots, terms = threading.Barrier(2), {}, [None, None]
 
     def all_reduce(tensor):
@@ -121,13 +126,12 @@ def test_ranks_of_unequal_batches_train_the_global_masked_patch_mean(monkeypatch
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     monkeypatch.setattr("mmssl.objectives.self_distill.is_distributed", lambda: True)
     monkeypatch.setattr("mmssl.objectives.self_distill.world_size", lambda: 2)
-    threads = [threading.Thread(target=lambda r=r: terms.__setitem__(r, MaskedImageModelling.global_mean(rows[r], 0.5)))
-               for r in range(2)]
+    threads = [threading.Thread(target=lambda r=r: terms.__setitem__(r, objective(outs[r], {}, 0.5))) for r in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert (terms[0] + terms[1]).item() / 2 == pytest.approx(0.5 * 51.0 / 8)
+    assert (terms[0] + terms[1]).item() / 2 == pytest.approx(0.5 * 81.0 / 9)
 
 
 def test_before_its_start_the_term_weighs_0_and_draws_and_runs_alike(clip_mae):
@@ -154,7 +158,7 @@ def test_the_decoder_is_maes_in_the_checkpoint_under_the_objective(clip_mae):
     assert not any(k.startswith("objectives.") for k in CLIP(model_name=clip_mae.hparams.model_name).state_dict())
 
 
-def test_refused_at_start_up(tiny_clip_json):
+def test_refused_at_start_up(tiny_clip_json, tmp_path):
     def build(**options):
         return CLIP(model_name=tiny_clip_json, objectives={"masked_image": {**DECODER, **options}})
 
@@ -165,6 +169,10 @@ def test_refused_at_start_up(tiny_clip_json):
                              ({"patches": 3}, "masked_image: .*unexpected keyword")):
         with pytest.raises(ConfigError, match=message):
             build(**options)
+    wide = tmp_path / "wide.json"  # 4 x 6 patches: MAE's decoder has square 2-D sin-cos positions
+    wide.write_text(json.dumps({**TINY_CLIP, "vision_cfg": {**TINY_CLIP["vision_cfg"], "image_size": [32, 48]}}))
+    with pytest.raises(ConfigError, match=r"masked_image: needs square patches on a square grid, got .* 24 patches"):
+        CLIP(model_name=str(wide), objectives={"masked_image": DECODER})
     with pytest.raises(ConfigError, match="masked_image: FLIP drops image patches .*flip.mask_ratio=0.5"):
         CLIP(model_name=tiny_clip_json, flip={"mask_ratio": 0.5}, objectives={"masked_image": DECODER})
     with pytest.raises(ConfigError, match=r"contrastive_chunk_size: the objective\(s\) \['masked_image'\]"):
