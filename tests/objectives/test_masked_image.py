@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mmssl.errors import ConfigError
+from mmssl.export.checkpoint import to_open_clip
 from mmssl.losses import mae_loss
 from mmssl.models.clip import CLIP
 from mmssl.models.mae import MAEDecoder
@@ -177,3 +178,15 @@ def test_refused_at_start_up(tiny_clip_json, tmp_path):
         CLIP(model_name=tiny_clip_json, flip={"mask_ratio": 0.5}, objectives={"masked_image": DECODER})
     with pytest.raises(ConfigError, match=r"contrastive_chunk_size: the objective\(s\) \['masked_image'\]"):
         CLIP(model_name=tiny_clip_json, contrastive_chunk_size=2, objectives={"masked_image": DECODER})
+
+
+def test_the_open_clip_export_leaves_the_decoder_out_and_embeds_alike(clip_mae, tiny_clip_json):
+    clip_mae.eval()
+    exported = to_open_clip(clip_mae.state_dict())
+    assert not any("decoder" in k or k.startswith("objectives") for k in exported)
+    model = CLIP(model_name=tiny_clip_json).model.eval()
+    model.load_state_dict(exported)  # strict: every key of open_clip's model and nothing else
+    images = _batch(2)["image"]
+    with torch.no_grad():
+        assert torch.equal(model.encode_image(images), clip_mae.model.encode_image(images))
+    clip_mae.train()
