@@ -533,12 +533,32 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
 
     def objective_terms(self, out: dict[str, Any], batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """Each objective's weighted term of this training step, in the order they are summed."""
+        step, total = self._step_and_total()
+        return {name: objective(out, batch, objective.weight_at(step, total))
+                for name, objective in self._present().items()}
+
+    def _step_and_total(self) -> tuple[int, int]:
+        """This optimizer step and the run's steps (0 where no objective starts at a fraction)."""
         trainer = attached_trainer(self)
         step = trainer.global_step if trainer is not None else 0
         total = int(trainer.estimated_stepping_batches) if trainer is not None and any(
             isinstance(o.start, float) for o in self.objectives.values()) else 0
-        return {name: objective(out, batch, objective.weight_at(step, total))
-                for name, objective in self._present().items()}
+        return step, total
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Before an objective's start, its own parameters (a head, a mask token, MAE's decoder) sit
+        out the optimizer step: their gradients, 0 while the term weighs 0, are dropped, so the
+        optimizer neither decays them nor starts their state. At the start they are as initialised
+        and their optimizer state begins there, as SigLIP 2 (sec. 2.3) initialises its heads, mask
+        token "and corresponding optimizer parameters" at the switch; weight decay over the first
+        80% of a long run would otherwise shrink them to nothing (e^-60 for
+        configs/siglip2/vit_b16.yaml) before their term counts. The model's own parts (a caption
+        decoder) train from the first step."""
+        step, total = self._step_and_total()
+        for objective in self.objectives.values():
+            if objective.weight > 0 and objective.weight_at(step, total) == 0:
+                for param in objective.parameters():
+                    param.grad = None
 
     def sharding_refusal(self) -> Optional[str]:
         """Why this model cannot be sharded with FSDP2: LoRA's reason, else the first objective in

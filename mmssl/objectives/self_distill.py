@@ -18,9 +18,11 @@ Where the paper is silent this follows SILC, which follows DINO (Caron et al. 20
   0.07; DINOv2 sec. 4 / ``dinov2/loss/dino_clstoken_loss.py``) rather than DINO's running centre:
   it keeps no state, so a resume is bit-exact without checkpointing a centre, and its sums over the
   batch are all-reduced, so N ranks centre the global batch as one process does;
-- the teacher's head is the EMA of the student's (DINO); the heads are built with the model (the
-  paper initialises them at the 80% switch; before its start the term weighs 0, so they only
-  receive weight decay until then);
+- the teacher's head is the EMA of the student's (DINO); the heads are built with the model and
+  sit out every optimizer step before their start (the host drops their gradients, 0 while the term
+  weighs 0: ``CLIP.on_before_optimizer_step``), so at the 80% switch they are as initialised, with
+  a fresh optimizer state, as the paper initialises them "and corresponding optimizer parameters"
+  there, rather than decayed to nothing by 80% of the run's weight decay;
 - the student's local crops come from the data module (``data.init_args.local_crops``), at the
   model's input size (DINO uses 96 px crops with interpolated position embeddings, which open_clip's
   image tower lacks), scale (0.05, 0.4) (DINO); the teacher's view is the training crop itself

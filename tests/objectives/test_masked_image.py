@@ -190,3 +190,32 @@ def test_the_open_clip_export_leaves_the_decoder_out_and_embeds_alike(clip_mae, 
     with torch.no_grad():
         assert torch.equal(model.encode_image(images), clip_mae.model.encode_image(images))
     clip_mae.train()
+
+
+def test_before_its_start_its_own_parameters_sit_out_the_optimizer(tiny_clip_json):
+    """AdamW with weight decay, the term from step 2: for steps 0-1 the decoder keeps its initial
+    weights bit for bit and has no optimizer state (no decay of weights its term does not use yet:
+    SigLIP 2 initialises its heads and their optimizer state at the switch); from step 2 it trains,
+    its state counting from there. The towers train from step 0."""
+    torch.manual_seed(0)
+    model = CLIP(model_name=tiny_clip_json, objectives={"masked_image": {"start": 2, **DECODER}})
+    decoder = dict(model.objectives["masked_image"].decoder.named_parameters())
+    initial = {n: p.detach().clone() for n, p in decoder.items()}
+    tower = model.model.visual.conv1.weight
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    for step in range(4):
+        terms, _, _ = _step(model, step, _batch(seed=step))
+        sum(terms.values()).backward()
+        _attach(model, step)
+        model.on_before_optimizer_step(optimizer)
+        model._trainer = None
+        optimizer.step()
+        optimizer.zero_grad()
+        trained = [n for n, p in decoder.items() if p.requires_grad and not torch.equal(p, initial[n])]
+        if step < 2:
+            assert not trained, (step, trained)
+            assert not any(p in optimizer.state for p in decoder.values()), step
+            assert optimizer.state[tower]["step"].item() == step + 1
+        else:
+            assert sorted(trained) == sorted(n for n, p in decoder.items() if p.requires_grad), step
+            assert optimizer.state[decoder["embed.weight"]]["step"].item() == step - 1
