@@ -21,6 +21,7 @@ from torch import nn
 from mmssl.data.datamodule import ImageTextDataModule, LocalCropDecoder
 from mmssl.data.decode import SampleDecoder
 from mmssl.errors import ConfigError
+from mmssl.export.checkpoint import to_open_clip
 from mmssl.models.clip import CLIP
 from mmssl.objectives import OBJECTIVES, MaskedFeatures, SelfDistillation
 from mmssl.objectives.self_distill import DINOHead, sinkhorn_knopp
@@ -312,3 +313,18 @@ def test_local_crops_are_seeded_per_sample_after_the_global_crop():
     assert batch["local_crops"].shape == (2, 3, 3, 16, 16) and batch["local_crops"].dtype == torch.float32
     val = _decoder(2, train=False)
     assert torch.equal(val(_sample())["local_crops"], val(_sample())["local_crops"])  # no RNG: a fixed seed
+
+
+def test_the_open_clip_export_leaves_the_heads_and_mask_token_out_and_embeds_alike(siglip2, tiny_coca_json):
+    """SigLIP 2's module exports as its CoCa towers: the DINO heads and the mask token stay behind,
+    the file loads strictly into open_clip's model of the same config and embeds bit for bit alike."""
+    siglip2.eval()
+    exported = to_open_clip(siglip2.state_dict())
+    assert not any(k.startswith("objectives") or "mask_token" in k or "prototypes" in k for k in exported)
+    towers = CLIP(model_name=tiny_coca_json, loss="siglip").model.eval()
+    towers.load_state_dict(exported)  # strict
+    images, tokens = torch.randn(2, 3, 32, 32), torch.randint(1, 99, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(towers.encode_image(images), siglip2.model.encode_image(images))
+        assert torch.equal(towers.encode_text(tokens), siglip2.model.encode_text(tokens))
+    siglip2.train()
