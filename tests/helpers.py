@@ -25,6 +25,29 @@ class KillAtStep(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def as_two_thread_ranks(monkeypatch, work: Callable[[int], Any]) -> list:
+    """``[work(0), work(1)]`` run as two ranks in two threads, ``torch.distributed.all_reduce`` a
+    sum of both ranks' tensors through a barrier (the in-process stand-in for a gloo all-reduce)."""
+    import threading
+
+    barrier, slots, out = threading.Barrier(2), {}, [None, None]
+
+    def all_reduce(tensor, *args, **kwargs):
+        slots[threading.get_ident()] = tensor.clone()
+        barrier.wait()
+        total = sum(slots.values())
+        barrier.wait()
+        tensor.copy_(total)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, work(r))) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+
 def whole(tensor):
     """The whole tensor of an FSDP2 shard (a DTensor; a collective), else ``tensor``."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -6,7 +6,6 @@ the start, and what is refused at start-up. Through the CLI on 2 gloo ranks: tes
 from __future__ import annotations
 
 import json
-import threading
 import types
 
 import pytest
@@ -19,6 +18,7 @@ from mmssl.models.clip import CLIP
 from mmssl.models.mae import MAEDecoder
 from mmssl.objectives import OBJECTIVES, MaskedImageModelling
 from tests.conftest import TINY_CLIP
+from tests.helpers import as_two_thread_ranks
 
 DECODER = {"decoder_embed_dim": 16, "decoder_depth": 1, "decoder_num_heads": 2}
 
@@ -115,23 +115,9 @@ def test_ranks_of_unequal_batches_train_the_global_masked_patch_mean(monkeypatch
     errors = [torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 6.0, 9.0]]), torch.tensor([[10.0, 20.0, 30.0, 9.0]])]
     outs = [{"mae_pred": e.sqrt().unsqueeze(-1), "mae_target": torch.zeros(*e.shape, 1),
              "mae_mask": torch.tensor([1.0, 1.0, 1.0, 0.0]).expand_as(e)} for e in errors]  # the 4th patch seen
-    barrier, slots, terms = threading.Barrier(2), {}, [None, None]
-
-    def all_reduce(tensor):
-        slots[threading.get_ident()] = tensor.clone()
-        barrier.wait()
-        total = sum(slots.values())
-        barrier.wait()
-        tensor.copy_(total)
-
-    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
     monkeypatch.setattr("mmssl.objectives.self_distill.is_distributed", lambda: True)
     monkeypatch.setattr("mmssl.objectives.self_distill.world_size", lambda: 2)
-    threads = [threading.Thread(target=lambda r=r: terms.__setitem__(r, objective(outs[r], {}, 0.5))) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    terms = as_two_thread_ranks(monkeypatch, lambda r: objective(outs[r], {}, 0.5))
     assert (terms[0] + terms[1]).item() / 2 == pytest.approx(0.5 * 81.0 / 9)
 
 

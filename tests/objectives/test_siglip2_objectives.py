@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import math
 import random
-import threading
 import types
 
 import pytest
@@ -25,6 +24,7 @@ from mmssl.export.checkpoint import to_open_clip
 from mmssl.models.clip import CLIP
 from mmssl.objectives import OBJECTIVES, MaskedFeatures, SelfDistillation
 from mmssl.objectives.self_distill import DINOHead, sinkhorn_knopp
+from tests.helpers import as_two_thread_ranks
 
 HEAD = {"out_dim": 8, "hidden_dim": 16, "bottleneck_dim": 4}
 
@@ -61,24 +61,7 @@ def test_sinkhorn_knopp_on_two_ranks_is_one_process_on_their_rows(monkeypatch):
     """Two ranks as two threads, all_reduce a sum through a barrier: the teacher's targets of each
     rank's rows are one process's on the concatenated rows, not those of its rows alone."""
     logits = torch.randn(8, 5, generator=torch.Generator().manual_seed(0))
-    barrier, slots = threading.Barrier(2), {}
-
-    def all_reduce(tensor):
-        slots[threading.get_ident()] = tensor.clone()
-        barrier.wait()
-        total = sum(slots.values())
-        barrier.wait()
-        tensor.copy_(total)
-
-    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
-    out = [None, None]
-    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, sinkhorn_knopp(logits[4 * r:4 * r + 4], 0.5,
-                                                                                      distributed=True)))
-               for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    out = as_two_thread_ranks(monkeypatch, lambda r: sinkhorn_knopp(logits[4 * r:4 * r + 4], 0.5, distributed=True))
     whole = sinkhorn_knopp(logits, 0.5)
     torch.testing.assert_close(torch.cat(out), whole)
     assert not torch.allclose(sinkhorn_knopp(logits[:4], 0.5), whole[:4], atol=1e-3)  # the global batch counts
