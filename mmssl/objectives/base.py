@@ -36,8 +36,10 @@ import math
 from typing import Any, ClassVar, Mapping, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from mmssl.distributed import is_distributed, world_size
 from mmssl.errors import ConfigError
 
 
@@ -255,3 +257,41 @@ def sample_uniforms(seed: int, step: int, first_row: int, rows: int, width: int,
     out = [torch.rand(width, generator=torch.Generator().manual_seed(
         ((seed * 1_000_003 + step) * 1_000_003 + first_row + i) & (2**63 - 1))) for i in range(rows)]
     return torch.stack(out).to(device) if out else torch.zeros(0, width, device=device)
+
+
+def image_width(model: nn.Module, name: str, what: str) -> int:
+    """The image tower's ``what`` (``output_dim`` or the token width), refused for a tower without it."""
+    visual = getattr(model, "visual", None)
+    if visual is None or not hasattr(visual, "forward_intermediates") or not hasattr(visual, "positional_embedding"):
+        raise ConfigError(f"model.init_args.objectives.{name}: needs an open_clip ViT image tower (with "
+                          f"forward_intermediates and a position embedding), got {type(visual).__name__}")
+    return int(visual.output_dim) if what == "pooled" else int(visual.positional_embedding.shape[-1])
+
+
+class RowsObjective(Objective):
+    """An objective whose term is the mean of a per-row loss (:meth:`rows`: a crop's, a masked
+    patch's): its validation figure is ``val/<name>_loss``, the unweighted mean over every row of
+    the set (each batch weighted by its rows, summed over ranks)."""
+
+    @abc.abstractmethod
+    def rows(self, out: Mapping[str, Any], batch: Mapping[str, Tensor]) -> Tensor:
+        """(N,) the loss of each row of the batch."""
+
+    def validation(self, out: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> Tensor:
+        rows = self.rows(out, batch)
+        loss = rows.mean()
+        self.val_loss.update(loss.detach(), weight=rows.numel())
+        return loss
+
+    def log_validation(self, module: Any) -> None:
+        module.log(f"val/{self.name}_loss", self.val_loss)
+
+    @staticmethod
+    def global_mean(rows: Tensor, weight: float) -> Tensor:
+        """This rank's share of ``weight`` x the mean of ``rows`` over every rank's rows: its sum
+        over the global count, times the world size (DDP averages the ranks' gradients), so ranks of
+        unequal row counts train what one process trains on their concatenation."""
+        total = torch.tensor(float(rows.numel()), device=rows.device)
+        if is_distributed():
+            dist.all_reduce(total)  # every rank's rows
+        return weight * rows.sum() * world_size() / total

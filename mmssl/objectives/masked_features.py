@@ -32,14 +32,12 @@ from torchmetrics import MeanMetric
 
 from mmssl.distributed import is_distributed
 from mmssl.errors import ConfigError
-from mmssl.objectives.base import register
+from mmssl.objectives.base import RowsObjective, image_width, register
 from mmssl.objectives.self_distill import (
     DINOHead,
-    RowsObjective,
     check_head,
     distill_cross_entropy,
     find_teacher,
-    image_width,
     require_ema,
     sinkhorn_knopp,
     teacher_features,

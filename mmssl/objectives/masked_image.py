@@ -35,8 +35,7 @@ from torchmetrics import MeanMetric
 
 from mmssl.errors import ConfigError
 from mmssl.losses import mae_patch_losses
-from mmssl.objectives.base import build_part, register
-from mmssl.objectives.self_distill import RowsObjective, image_width
+from mmssl.objectives.base import RowsObjective, build_part, image_width, register
 
 
 @register

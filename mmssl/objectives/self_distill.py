@@ -38,7 +38,6 @@ A run without the EMA callback is refused at start-up (:meth:`SelfDistillation.c
 
 from __future__ import annotations
 
-import abc
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -47,9 +46,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from mmssl.distributed import is_distributed, world_size
+from mmssl.distributed import is_distributed
 from mmssl.errors import ConfigError
-from mmssl.objectives.base import Objective, register
+from mmssl.objectives.base import RowsObjective, image_width, register
 
 
 class DINOHead(nn.Module):
@@ -169,15 +168,6 @@ def teacher_features(host: nn.Module, batch: Mapping[str, Tensor]) -> dict[str, 
     return {"teacher_pooled": out["pooled"].detach(), "teacher_patches": out["patches"].detach()}
 
 
-def image_width(model: nn.Module, name: str, what: str) -> int:
-    """The image tower's ``what`` (``output_dim`` or the token width), refused for a tower without it."""
-    visual = getattr(model, "visual", None)
-    if visual is None or not hasattr(visual, "forward_intermediates") or not hasattr(visual, "positional_embedding"):
-        raise ConfigError(f"model.init_args.objectives.{name}: needs an open_clip ViT image tower (with "
-                          f"forward_intermediates and a position embedding), got {type(visual).__name__}")
-    return int(visual.output_dim) if what == "pooled" else int(visual.positional_embedding.shape[-1])
-
-
 def check_head(key: str, out_dim: int, hidden_dim: int, bottleneck_dim: int, student_temp: float,
                teacher_temp: float) -> None:
     """Refuse a DINO head's size that is no integer >= 1, or a temperature <= 0, naming ``key.option``."""
@@ -187,35 +177,6 @@ def check_head(key: str, out_dim: int, hidden_dim: int, bottleneck_dim: int, stu
     for option, value in (("student_temp", student_temp), ("teacher_temp", teacher_temp)):
         if not value > 0:
             raise ConfigError(f"{key}.{option}: a temperature > 0, got {value!r}")
-
-
-class RowsObjective(Objective):
-    """An objective whose term is the mean of a per-row loss (:meth:`rows`: a crop's, a masked
-    patch's): its validation figure is ``val/<name>_loss``, the unweighted mean over every row of
-    the set (each batch weighted by its rows, summed over ranks)."""
-
-    @abc.abstractmethod
-    def rows(self, out: Mapping[str, Any], batch: Mapping[str, Tensor]) -> Tensor:
-        """(N,) the loss of each row of the batch."""
-
-    def validation(self, out: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> Tensor:
-        rows = self.rows(out, batch)
-        loss = rows.mean()
-        self.val_loss.update(loss.detach(), weight=rows.numel())
-        return loss
-
-    def log_validation(self, module: Any) -> None:
-        module.log(f"val/{self.name}_loss", self.val_loss)
-
-    @staticmethod
-    def global_mean(rows: Tensor, weight: float) -> Tensor:
-        """This rank's share of ``weight`` x the mean of ``rows`` over every rank's rows: its sum
-        over the global count, times the world size (DDP averages the ranks' gradients), so ranks of
-        unequal row counts train what one process trains on their concatenation."""
-        total = torch.tensor(float(rows.numel()), device=rows.device)
-        if is_distributed():
-            dist.all_reduce(total)  # every rank's rows
-        return weight * rows.sum() * world_size() / total
 
 
 @register

@@ -115,8 +115,8 @@ def test_ranks_of_unequal_batches_train_the_global_masked_patch_mean(monkeypatch
     errors = [torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 5.0, 6.0, 9.0]]), torch.tensor([[10.0, 20.0, 30.0, 9.0]])]
     outs = [{"mae_pred": e.sqrt().unsqueeze(-1), "mae_target": torch.zeros(*e.shape, 1),
              "mae_mask": torch.tensor([1.0, 1.0, 1.0, 0.0]).expand_as(e)} for e in errors]  # the 4th patch seen
-    monkeypatch.setattr("mmssl.objectives.self_distill.is_distributed", lambda: True)
-    monkeypatch.setattr("mmssl.objectives.self_distill.world_size", lambda: 2)
+    monkeypatch.setattr("mmssl.objectives.base.is_distributed", lambda: True)
+    monkeypatch.setattr("mmssl.objectives.base.world_size", lambda: 2)
     terms = as_two_thread_ranks(monkeypatch, lambda r: objective(outs[r], {}, 0.5))
     assert (terms[0] + terms[1]).item() / 2 == pytest.approx(0.5 * 81.0 / 9)
 
