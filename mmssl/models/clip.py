@@ -473,7 +473,7 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         dropped at the input of ``ln_pre`` (after the position embedding), its final norm on every
         token (MAE's encoder); the decoder is read here, inside the forward, so a sharded module uses
         its gathered weights."""
-        objective = next(o for o in self.objectives.values() if getattr(o, "decoder", None) is not None)
+        objective = self.objectives["masked_image"]  # the objective that reads this pass, with its decoder
         masking = random_masking(noise.unsqueeze(-1), objective.mask_ratio, noise=noise)
         visual = self.model.visual
 
