@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from mmssl.errors import ConfigError
 from mmssl.models.clip import CLIP
 from mmssl.models.coca import CoCa
+from mmssl.models.mae import MAEDecoder
 from mmssl.objectives import OBJECTIVES, Captioning, Contrastive, build_objectives
+from mmssl.objectives.base import PARTS, build_part, register_part
 from tests.models.test_distill import save_lightning
 
 CAPTIONS = ["a red circle", "a blue square on a green field", "a star", "two crosses"]
@@ -78,3 +81,22 @@ def test_an_objective_without_its_terms_fails_when_built():
 
     with pytest.raises(TypeError, match="abstract method 'validation'|abstract methods? .*validation"):
         Half()
+
+
+def test_a_part_is_built_by_its_registered_name_and_its_refusal_names_the_key(monkeypatch):
+    """Objectives build a model part (MAE's decoder) by the name a model registered it under; a size
+    the part refuses is a one-line ConfigError naming the objective's key, an unknown name lists the
+    registered ones."""
+    assert PARTS["mae_decoder"] is MAEDecoder
+    decoder = build_part("mae_decoder", "k", num_patches=4, patch_size=2, encoder_dim=8, embed_dim=8, depth=1,
+                         num_heads=2)
+    assert isinstance(decoder, MAEDecoder) and decoder.pred.out_features == 2 * 2 * 3
+    with pytest.raises(ConfigError, match=r"^model.init_args.objectives.x: decoder_embed_dim \(8\) must be "
+                                          r"divisible by decoder_num_heads \(3\)$"):
+        build_part("mae_decoder", "model.init_args.objectives.x", num_patches=4, patch_size=2, encoder_dim=8,
+                   embed_dim=8, depth=1, num_heads=3)
+    with pytest.raises(RuntimeError, match=r"k: no model part 'nothing' is registered .*'mae_decoder'"):
+        build_part("nothing", "k")
+    monkeypatch.setitem(PARTS, "_probe", None)
+    register_part("_probe")(nn.Identity)
+    assert isinstance(build_part("_probe", "k"), nn.Identity)
