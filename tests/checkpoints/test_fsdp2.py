@@ -81,6 +81,29 @@ def _ok(proc) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:]
 
 
+def kill_and_resume(recipe: str, root: Path, demo, model: list[str], steps: int, cwd: Path, timeout: float,
+                    strategy: list[str] = DDP) -> None:
+    """``recipe`` on 2 ranks into ``root``, SIGKILLed at step 3 (before the end), then resumed there
+    with ``--ckpt_path last`` to the end."""
+    kill = ["--trainer.callbacks+=tests.helpers.KillAtStep", "--trainer.callbacks.step=3"]
+    out = run_mmssl([*_args(recipe, root, demo, model, steps), *strategy, *kill], cwd, timeout=timeout, killed=True)
+    assert out.returncode == -signal.SIGKILL, out.stdout[-3000:]
+    assert not (root / "params" / "rank0.pt").exists()  # it never reached the end
+    _ok(run_mmssl([*_args(recipe, root, demo, model, steps), *strategy, "--ckpt_path", "last"], cwd, timeout=timeout))
+
+
+def assert_resumed_as_whole(whole: Path, resumed: Path) -> dict[str, torch.Tensor]:
+    """Each rank of the ``resumed`` run ends on the uninterrupted run's weights bit for bit, and
+    those moved from the start; returns rank 0's weights."""
+    start = _params(whole, "start_rank0.pt")
+    for rank in (1, 0):
+        want, got = _params(whole, f"rank{rank}.pt"), _params(resumed, f"rank{rank}.pt")
+        assert got.keys() == want.keys()
+        assert [k for k in want if not torch.equal(got[k], want[k])] == [], f"rank {rank}"
+        assert any(not torch.equal(want[k], start[k]) for k in want), "the weights never moved"
+    return want
+
+
 @pytest.fixture(scope="module")
 def mae_runs(tmp_path_factory, tiny_demo):
     """A 2-process FSDP2 MAE run of 4 steps (``fsdp2_mae_reference``: its callbacks are checkpoints and

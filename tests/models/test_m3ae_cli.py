@@ -76,23 +76,9 @@ def test_a_sigkilled_two_process_run_resumes_bit_exactly(tmp_path, tmp_path_fact
     each rank drew are drawn again, the data position and optimizer state restored (validation
     every 2 steps, rank 1 without a held-out batch). The uninterrupted run is the DDP reference of
     tests/checkpoints/test_fsdp2_m3ae.py (the same command, run once per session)."""
-    import signal
-
-    from tests.checkpoints.test_fsdp2 import DDP, _args, _ok
+    from tests.checkpoints.test_fsdp2 import assert_resumed_as_whole, kill_and_resume
     from tests.checkpoints.test_fsdp2_m3ae import MODEL, STEPS, ddp_reference
 
     whole, killed = ddp_reference(tmp_path_factory, tiny_demo), tmp_path / "killed"
-    kill = ["--trainer.callbacks+=tests.helpers.KillAtStep", "--trainer.callbacks.step=3"]
-    out = run_mmssl([*_args("m3ae", killed, tiny_demo, MODEL, STEPS), *DDP, *kill], tmp_path, timeout=240,
-                    killed=True)
-    assert out.returncode == -signal.SIGKILL, out.stdout[-3000:]
-    assert not (killed / "params" / "rank0.pt").exists()  # it never reached the end
-    _ok(run_mmssl([*_args("m3ae", killed, tiny_demo, MODEL, STEPS), *DDP, "--ckpt_path", "last"], tmp_path,
-                  timeout=240))
-    start = torch.load(whole / "params" / "start_rank0.pt", weights_only=True)
-    for rank in (0, 1):
-        want = torch.load(whole / "params" / f"rank{rank}.pt", weights_only=True)
-        got = torch.load(killed / "params" / f"rank{rank}.pt", weights_only=True)
-        assert got.keys() == want.keys()
-        assert [k for k in want if not torch.equal(got[k], want[k])] == [], f"rank {rank}"
-        assert any(not torch.equal(want[k], start[k]) for k in want), "the weights never moved"
+    kill_and_resume("m3ae", killed, tiny_demo, MODEL, STEPS, tmp_path, timeout=240)
+    assert_resumed_as_whole(whole, killed)

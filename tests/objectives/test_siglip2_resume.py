@@ -7,11 +7,8 @@ bit for bit on each rank: the EMA's average, the data position, every crop and m
 from __future__ import annotations
 
 import csv
-import signal
 
-import torch
-
-from tests.checkpoints.test_fsdp2 import DDP, _args, _ok
+from tests.checkpoints.test_fsdp2 import DDP, _args, _ok, assert_resumed_as_whole, kill_and_resume
 from tests.cli_runs import run_mmssl
 
 STEPS = 5
@@ -22,21 +19,9 @@ def test_a_sigkilled_run_resumes_across_the_late_terms_switch_bit_exactly(tmp_pa
     model = [f"--model.init_args.model_name={tiny_coca_json}", *LATE]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     _ok(run_mmssl([*_args("siglip2", whole, tiny_demo, model, STEPS), *DDP], tmp_path, timeout=300))
-    kill = ["--trainer.callbacks+=tests.helpers.KillAtStep", "--trainer.callbacks.step=3"]
-    out = run_mmssl([*_args("siglip2", killed, tiny_demo, model, STEPS), *DDP, *kill], tmp_path, timeout=300,
-                    killed=True)
-    assert out.returncode == -signal.SIGKILL, out.stdout[-3000:]
-    assert not (killed / "params" / "rank0.pt").exists()  # it never reached the end
-    _ok(run_mmssl([*_args("siglip2", killed, tiny_demo, model, STEPS), *DDP, "--ckpt_path", "last"], tmp_path,
-                  timeout=300))
-    start = torch.load(whole / "params" / "start_rank0.pt", weights_only=True)
-    for rank in (0, 1):
-        want = torch.load(whole / "params" / f"rank{rank}.pt", weights_only=True)
-        got = torch.load(killed / "params" / f"rank{rank}.pt", weights_only=True)
-        assert got.keys() == want.keys()
-        assert {"objectives.self_distill.head.prototypes", "objectives.masked_features.mask_token"} <= want.keys()
-        assert [k for k in want if not torch.equal(got[k], want[k])] == [], f"rank {rank}"
-        assert any(not torch.equal(want[k], start[k]) for k in want), "the weights never moved"
+    kill_and_resume("siglip2", killed, tiny_demo, model, STEPS, tmp_path, timeout=300)
+    weights = assert_resumed_as_whole(whole, killed)
+    assert {"objectives.self_distill.head.prototypes", "objectives.masked_features.mask_token"} <= weights.keys()
     # The late terms are 0 before step 2 and count from it, in the uninterrupted run and the resumed
     # one alike (the resumed run crossed the switch: its checkpoint was step 2's, before it).
     terms = [_late_terms(run / "version_0" / "metrics.csv") for run in (whole, killed)]
