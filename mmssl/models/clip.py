@@ -27,13 +27,14 @@ from mmssl.data.decode import trim_text_padding
 from mmssl.distributed import is_sharded, rank, seed_per_rank
 from mmssl.errors import ConfigError
 from mmssl.log_cadence import logging_step
+from mmssl.models import tower_passes
 from mmssl.models.distill import DISTILL_RENAMES, Distillation, build_distiller
 from mmssl.models.flip import FLIP_RENAMES, Flip, install_flip_masking
 from mmssl.models.gradcache import cached_features
 from mmssl.models.lit import init_image_tower
 from mmssl.models.locking import LOCK_RENAMES, LockOptions, lock_towers
 from mmssl.models.lora import CLIP_TRAINABLE, LoraCheckpoint, clip_towers, enable_lora
-from mmssl.models.masking import gather_tokens, patchify, random_masking, sample_noise
+from mmssl.models.masking import random_masking, sample_noise
 from mmssl.models.memory import apply_memory_options
 from mmssl.models.open_clip_config import (  # noqa: F401  (re-exported: mmssl.models.clip's public names)
     OPEN_CLIP_NO_DECAY,
@@ -425,17 +426,8 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         return out
 
     def image_targets(self, images: Tensor) -> dict[str, Tensor]:
-        """(B, 3, H, W) -> ``pooled`` (B, E), the unnormalised image embedding, and ``patches``
-        (B, L, D), the last block's patch tokens (after the final norm ``ln_post`` unless an
-        attention pool owns it, whose width it has), from one pass of the image tower."""
-        out = self.model.visual.forward_intermediates(images, indices=1, normalize_intermediates=self._patch_norm(),
-                                                      output_fmt="NLC")
-        return {"pooled": out["image_features"], "patches": out["image_intermediates"][-1]}
-
-    def _patch_norm(self) -> bool:
-        """Whether patch tokens take the final norm: open_clip applies ``ln_post`` to the attention
-        pool's output when the tower has one (CoCa), and it is then of the pool's width."""
-        return getattr(self.model.visual, "attn_pool", None) is None
+        """The EMA teacher's view: :func:`mmssl.models.tower_passes.image_targets` of the image tower."""
+        return tower_passes.image_targets(self.model.visual, images)
 
     def mask_patches(self, noise: Tensor, mask_ratio: float) -> Tensor:
         """(B, L) uniforms -> (B, L) bool, True where a patch is masked: MAE's random masking
@@ -443,54 +435,17 @@ class CLIP(LoraCheckpoint, pl.LightningModule):
         return random_masking(noise.unsqueeze(-1), mask_ratio, noise=noise).mask.bool()
 
     def masked_patch_tokens(self, images: Tensor, patch_mask: Tensor) -> Tensor:
-        """(B, 3, H, W), (B, L) bool -> (B, L, D) patch tokens (as :meth:`image_targets`), the masked
-        patches' embeddings replaced by the mask token of the objective that owns one (iBOT: the
-        token in place of the patch embedding, then the position embedding; here their sum, swapped
-        in at the input of ``ln_pre``). The token is read here, inside the forward, so a sharded
-        module uses its gathered value."""
-        visual = self.model.visual
+        """:func:`mmssl.models.tower_passes.masked_patch_tokens` with the mask token of the objective
+        that owns one, read here, inside the forward, so a sharded module uses its gathered value."""
         token = next(o.mask_token for o in self.objectives.values() if getattr(o, "mask_token", None) is not None)
-
-        def swap(module: nn.Module, args: tuple) -> tuple:
-            x = args[0]  # (B, 1 + L, D) after the position embedding
-            masked = (token + visual.positional_embedding[1:]).to(x.dtype)  # (1, L, D)
-            patches = torch.where(patch_mask.unsqueeze(-1), masked, x[:, 1:])  # (B, L, D)
-            return (torch.cat([x[:, :1], patches], dim=1), *args[1:])
-
-        handle = visual.ln_pre.register_forward_pre_hook(swap)
-        try:
-            out = visual.forward_intermediates(images, indices=1, normalize_intermediates=self._patch_norm(),
-                                               intermediates_only=True, output_fmt="NLC")
-        finally:
-            handle.remove()
-        return out["image_intermediates"][-1]
+        return tower_passes.masked_patch_tokens(self.model.visual, images, patch_mask, token)
 
     def masked_reconstruction(self, images: Tensor, noise: Tensor) -> dict[str, Tensor]:
-        """MAE on the image tower (:mod:`mmssl.objectives.masked_image`): (B, 3, H, W) images and (B, L)
-        uniforms -> ``mae_pred`` and ``mae_target`` (B, L, p*p*3), the decoder's and the true pixels
-        of every patch, and ``mae_mask`` (B, L), 1 where a patch was masked (MAE's random masking of
-        ``noise``, the smallest kept). The tower runs on its class token and the visible patches,
-        dropped at the input of ``ln_pre`` (after the position embedding), its final norm on every
-        token (MAE's encoder); the decoder is read here, inside the forward, so a sharded module uses
-        its gathered weights."""
-        objective = self.objectives["masked_image"]  # the objective that reads this pass, with its decoder
-        masking = random_masking(noise.unsqueeze(-1), objective.mask_ratio, noise=noise)
-        visual = self.model.visual
-
-        def keep(module: nn.Module, args: tuple) -> tuple:
-            x = args[0]  # (B, 1 + L, D) after the position embedding
-            return (torch.cat([x[:, :1], gather_tokens(x[:, 1:], masking.ids_keep)], dim=1), *args[1:])
-
-        handle = visual.ln_pre.register_forward_pre_hook(keep)
-        try:
-            out = visual.forward_intermediates(images, indices=1, normalize_intermediates=self._patch_norm(),
-                                               intermediates_only=True, output_fmt="NLC", output_extra_tokens=True)
-        finally:
-            handle.remove()
-        tokens = torch.cat([out["image_intermediates_prefix"][-1], out["image_intermediates"][-1]], dim=1)
-        patch = int(visual.patch_size[0])
-        return {"mae_pred": objective.decoder(tokens, masking.ids_restore), "mae_mask": masking.mask,
-                "mae_target": patchify(images, patch)}
+        """:func:`mmssl.models.tower_passes.masked_reconstruction` with the ``masked_image`` objective's
+        ratio and decoder, read here, inside the forward, so a sharded module uses its gathered weights."""
+        objective = self.objectives["masked_image"]
+        return tower_passes.masked_reconstruction(self.model.visual, images, noise, objective.mask_ratio,
+                                                  objective.decoder)
 
     def _encode_pair(self, images: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """(b, 3, H, W), (b, L) -> (b, D) image and (b, D) text features: one GradCache chunk."""
