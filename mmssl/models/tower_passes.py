@@ -68,7 +68,7 @@ def masked_reconstruction(visual: nn.Module, images: Tensor, noise: Tensor, mask
     class token and the visible patches, dropped at the input of ``ln_pre``, its final norm on every
     token (MAE's encoder), then ``decoder`` (:class:`mmssl.models.mae.MAEDecoder`)."""
     masking = random_masking(noise.unsqueeze(-1), mask_ratio, noise=noise)
-    tokens = last_tokens(visual, images, lambda x: torch.cat([x[:, :1], x[:, 1:]],
+    tokens = last_tokens(visual, images, lambda x: torch.cat([x[:, :1], gather_tokens(x[:, 1:], masking.ids_keep)],
                                                              dim=1), prefix=True)
     return {"mae_pred": decoder(tokens, masking.ids_restore), "mae_mask": masking.mask,
             "mae_target": patchify(images, int(visual.patch_size[0]))}
